@@ -140,19 +140,20 @@ def test_plot_run_writes_png(tmp_path, capsys):
     run_dir.mkdir()
     with open(run_dir / "metrics.jsonl", "w", encoding="utf-8") as fh:
         for step in range(1, 21):
-            record = {"step": step, "reward/mean": step / 20, "reward/fresh": step / 25,
-                      "reward/replay": None if step < 5 else 0.9, "actor/entropy_mean": 2 - step / 20,
-                      "response/length_mean": 30 + step, "phase": "mixed"}
+            record = {"step": step, "reward/mean": step / 20, "reward/fresh_mean": step / 25,
+                      "reward/replay_mean": None if step < 5 else 0.9, "entropy/mean": 2 - step / 20,
+                      "response_length/mean": 30 + step, "phase": "mixed"}
             record.update({f"experience/bucket_{k}": float((k + step) % 5) for k in range(9)})
             fh.write(json.dumps(record) + "\n")
     assert plot_run.main([str(run_dir)]) == 0
     png = run_dir / "metrics.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    chosen = plot_run.choose_keys(plot_run.numeric_keys(plot_run.load_records(str(run_dir / "metrics.jsonl"))))
-    assert chosen["reward"] == ["reward/mean", "reward/fresh", "reward/replay"]
+    records = read_metrics(str(run_dir / "metrics.jsonl"))
+    chosen = plot_run.panel_keys(records)
+    assert chosen["reward"] == ["reward/mean", "reward/fresh_mean", "reward/replay_mean"]
     assert chosen["pool buckets"] == [f"experience/bucket_{k}" for k in range(9)]
-    assert chosen["entropy"] == ["actor/entropy_mean"] and chosen["response length"] == ["response/length_mean"]
-    assert math.isnan(plot_run.series(plot_run.load_records(str(run_dir / "metrics.jsonl")), "reward/replay")[0])
+    assert chosen["entropy"] == ["entropy/mean"] and chosen["response length"] == ["response_length/mean"]
+    assert math.isnan(plot_run.series(records, "reward/replay_mean")[0])
     custom = tmp_path / "custom.png"
     assert plot_run.main([str(run_dir), "--out", str(custom)]) == 0
     assert custom.read_bytes()[:4] == b"\x89PNG"

@@ -2,51 +2,31 @@
 
     python tools/plot_run.py RUN_DIR [--out PNG]      # default output: RUN_DIR/metrics.png
 
-Panels (a panel whose keys are absent says so):
-* reward: ``reward/mean``, ``reward/fresh``, ``reward/replay`` (else every ``reward/*`` key);
-* entropy: the first present of :data:`ENTROPY_KEYS`, else keys containing ``entropy`` (no ``bonus``/``coef``);
-* response length: the first present of :data:`LENGTH_KEYS`, else keys containing ``length``;
-* pool buckets: ``experience/bucket_<k>`` stacked over k (questions per correctness count).
+The panels plot the keys the trainer logs (see exgrpo_megatron/trainer.py); a panel whose keys are
+absent says "no data". Bucket k of the pool histogram counts questions with k of K rollouts correct.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 import sys
 from typing import Any
 
-REWARD_KEYS = ("reward/mean", "reward/fresh", "reward/replay")
-ENTROPY_KEYS = ("actor/entropy_mean", "entropy_mean", "actor/entropy", "entropy")
-LENGTH_KEYS = ("response/length_mean", "response_length/mean", "response/length", "response_length")
+from exgrpo_megatron.logging.metrics import read_metrics
+
+PANELS: dict[str, tuple[str, ...]] = {
+    "reward": ("reward/mean", "reward/fresh_mean", "reward/replay_mean"),
+    "entropy": ("entropy/mean",),
+    "response length": ("response_length/mean",),
+}
 BUCKET_PATTERN = re.compile(r"^experience/bucket_(\d+)$")
 
 
-def load_records(path: str) -> list[dict[str, Any]]:
-    records = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a torn last line
-    return sorted((r for r in records if isinstance(r.get("step"), int)), key=lambda r: r["step"])
-
-
-def numeric_keys(records: list[dict[str, Any]]) -> list[str]:
-    keys: dict[str, None] = {}
-    for record in records:
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                keys[key] = None
-    return list(keys)
-
-
 def series(records: list[dict[str, Any]], key: str) -> list[float]:
+    """``key`` per record; NaN where it is missing or not a number (e.g. no replay before mixed mode)."""
     out = []
     for record in records:
         value = record.get(key)
@@ -54,15 +34,13 @@ def series(records: list[dict[str, Any]], key: str) -> list[float]:
     return out
 
 
-def choose_keys(available: list[str]) -> dict[str, list[str]]:
-    """The keys each panel plots, from the keys present in the file."""
-    reward = [k for k in REWARD_KEYS if k in available] or [k for k in available if k.startswith("reward/")]
-    entropy = next(([k] for k in ENTROPY_KEYS if k in available), None) or [
-        k for k in available if "entropy" in k and "bonus" not in k and "coef" not in k]
-    length = next(([k] for k in LENGTH_KEYS if k in available), None) or [k for k in available if "length" in k]
-    buckets = sorted((k for k in available if BUCKET_PATTERN.match(k)),
-                     key=lambda k: int(BUCKET_PATTERN.match(k).group(1)))  # type: ignore[union-attr]
-    return {"reward": reward, "entropy": entropy, "response length": length, "pool buckets": buckets}
+def panel_keys(records: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The keys each panel plots: the trainer's keys present in the file, and every pool bucket in k order."""
+    present = {key for record in records for key in record}
+    chosen = {title: [k for k in keys if k in present] for title, keys in PANELS.items()}
+    buckets = [k for k in present if BUCKET_PATTERN.match(k)]
+    chosen["pool buckets"] = sorted(buckets, key=lambda k: int(BUCKET_PATTERN.match(k).group(1)))  # type: ignore
+    return chosen
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:
@@ -75,11 +53,10 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir!r} (expected {path})")
-    records = load_records(path)
+    records = sorted((r for r in read_metrics(path) if isinstance(r.get("step"), int)), key=lambda r: r["step"])
     steps = [r["step"] for r in records]
-    panels = choose_keys(numeric_keys(records))
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
-    for ax, (title, keys) in zip(axes.flat, panels.items(), strict=True):
+    for ax, (title, keys) in zip(axes.flat, panel_keys(records).items(), strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")
         if not keys:
