@@ -4,8 +4,11 @@ The megatron GPTModel (local spec, fp32, TP=1, one process) is built from `--pre
 are mapped into a transformers `Qwen2ForCausalLM` with `convert.hf_mapping.megatron_to_hf`, and the
 two models' logits are compared first (`max_logit_diff`) so both engines run the same function.
 Both sample with temperature 1 and no EOS, so every row generates exactly `new_tokens` tokens; HF
-gets left-padded prompts with an attention mask and `num_return_sequences=n`. Best of `--repeats`
-wall-clock runs per engine (the box is shared; best-of is the least noisy statistic).
+gets left-padded prompts with an attention mask and `num_return_sequences=n`. The engine runs with
+its default decode (`KVCacheStage`, rollout/kv_decode.py); `megatron_ref` is the same engine over
+megatron's own `StaticInferenceContext` forward, for reference. The engines alternate within each of
+`--repeats` rounds and the best wall-clock run of each is kept (the box is shared; best-of is the
+least noisy statistic); the load average is recorded before and after.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python bench/rollout_throughput.py`` (writes
 bench/results/rollout_throughput.json).
@@ -68,11 +71,11 @@ def max_logit_diff(cfg, gpt, hf) -> float:
     return (a - b).abs().max().item()
 
 
-def run_megatron(gpt, cfg, prompts, n, new_tokens) -> tuple[float, int]:
+def run_megatron(gpt, cfg, prompts, n, new_tokens, decode_impl: str = "auto") -> tuple[float, int]:
     from exgrpo_megatron.rollout.megatron_engine import MegatronRolloutEngine
     from exgrpo_megatron.rollout.types import SamplingParams
 
-    engine = MegatronRolloutEngine(gpt, vocab_size=cfg.vocab_size, max_batch_sequences=64)
+    engine = MegatronRolloutEngine(gpt, vocab_size=cfg.vocab_size, max_batch_sequences=64, decode_impl=decode_impl)
     start = time.perf_counter()
     out = engine.generate(prompts, n, SamplingParams(max_new_tokens=new_tokens, seed=1))
     seconds = time.perf_counter() - start
@@ -99,32 +102,43 @@ def run_hf(hf, prompts, n, new_tokens) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--note", default="", help="free text stored in the JSON (e.g. how loaded the box was)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg, gpt, hf = build_models(args.preset)
     diff = max_logit_diff(cfg, gpt, hf)
     rng = random.Random(0)
+    load_before = os.getloadavg()
+    engines = {"megatron": lambda *a: run_megatron(gpt, cfg, *a), "hf": lambda *a: run_hf(hf, *a),
+               "megatron_ref": lambda *a: run_megatron(gpt, cfg, *a, decode_impl="megatron")}
     rows = []
     for name, num_prompts, n, lo, hi, new_tokens in SCENARIOS:
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]
+        runs: dict[str, list[tuple[float, int]]] = {engine: [] for engine in engines}
+        for _ in range(args.repeats):
+            for engine, fn in engines.items():
+                runs[engine].append(fn(prompts, n, new_tokens))
         best = {}
-        for engine, fn, model_args in (("megatron", run_megatron, (gpt, cfg)), ("hf", run_hf, (hf,))):
-            runs = [fn(*model_args, prompts, n, new_tokens) for _ in range(args.repeats)]
-            seconds, tokens = min(runs)
+        for engine, engine_runs in runs.items():
+            seconds, tokens = min(engine_runs)
             best[engine] = {"seconds": seconds, "new_tokens": tokens, "tokens_per_second": tokens / seconds}
         speedup = best["megatron"]["tokens_per_second"] / best["hf"]["tokens_per_second"]
         rows.append({"scenario": name, **{f"{k}_{m}": v[m] for k, v in best.items() for m in v}, "speedup": speedup})
+    load_after = os.getloadavg()
     print(f"preset={args.preset} threads={args.threads} max|logit diff megatron-HF|={diff:.2e}")
-    print(f"{'scenario':32s} {'megatron tok/s':>15s} {'HF tok/s':>10s} {'speedup':>8s}")
+    print(f"load average before {load_before}, after {load_after} ({os.cpu_count()} cores)")
+    print(f"{'scenario':32s} {'megatron tok/s':>15s} {'HF tok/s':>10s} {'speedup':>8s} {'megatron_ref tok/s':>19s}")
     for r in rows:
         print(f"{r['scenario']:32s} {r['megatron_tokens_per_second']:15.0f} {r['hf_tokens_per_second']:10.0f} "
-              f"{r['speedup']:7.2f}x")
+              f"{r['speedup']:7.2f}x {r['megatron_ref_tokens_per_second']:19.0f}")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump({"preset": args.preset, "model": PRESETS[args.preset], "threads": args.threads,
-                   "repeats": args.repeats, "max_logit_diff": diff, "load_average": os.getloadavg(),
+                   "repeats": args.repeats, "max_logit_diff": diff, "cpu_count": os.cpu_count(),
+                   "load_average_before": load_before, "load_average_after": load_after,
+                   "loaded": max(load_before[0], load_after[0]) > (os.cpu_count() or 1), "note": args.note,
                    "rows": rows}, f, indent=2)
     print(f"wrote {RESULTS}")
 

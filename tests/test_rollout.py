@@ -98,6 +98,18 @@ def single_rank_checks() -> dict:
     model.train()
     out["layout"] = _as_lists(engine.generate(LAYOUT_PROMPTS, 2, SamplingParams(**LAYOUT_PARAMS)))
     out["training_restored"] = model.training
+    out["impl"] = engine.decode_impl
+    reference = MegatronRolloutEngine(model, LetterTokenizer(), vocab_size=VOCAB, max_batch_sequences=16,
+                                      decode_impl="megatron")  # GPTModel.forward over StaticInferenceContext
+    out["layout_megatron_impl"] = _as_lists(reference.generate(LAYOUT_PROMPTS, 2, SamplingParams(**LAYOUT_PARAMS)))
+    model.config.attention_output_gate = True  # a feature KVCacheStage does not implement -> megatron path
+    out["gated_auto_impl"] = MegatronRolloutEngine(model, vocab_size=VOCAB).decode_impl
+    try:
+        MegatronRolloutEngine(model, vocab_size=VOCAB, decode_impl="kv_cache")
+        out["gated_kv_cache_refused"] = False
+    except ValueError:
+        out["gated_kv_cache_refused"] = True
+    model.config.attention_output_gate = False
     out["tokens_per_second"] = engine.tokens_per_second
 
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
@@ -154,7 +166,7 @@ def single_rank_checks() -> dict:
     return out
 
 
-def _layout_run(tp: int, pp: int, tp1_state: dict | None) -> list:
+def _layout_run(tp: int, pp: int, tp1_state: dict | None) -> dict:
     from exgrpo_megatron.rollout.megatron_engine import MegatronRolloutEngine
     from exgrpo_megatron.rollout.refit import stage_params
 
@@ -163,8 +175,11 @@ def _layout_run(tp: int, pp: int, tp1_state: dict | None) -> list:
         with torch.no_grad():
             for name, param in stage_params(model):
                 param.copy_(tp1_state[name])
-    engine = MegatronRolloutEngine(model, vocab_size=VOCAB, max_batch_sequences=16)
-    return _as_lists(engine.generate(LAYOUT_PROMPTS, 2, SamplingParams(**LAYOUT_PARAMS)))
+    return {
+        impl: _as_lists(MegatronRolloutEngine(model, vocab_size=VOCAB, max_batch_sequences=16, decode_impl=impl)
+                        .generate(LAYOUT_PROMPTS, 2, SamplingParams(**LAYOUT_PARAMS)))
+        for impl in ("kv_cache", "megatron")
+    }
 
 
 def tp2_then_pp2(tp1_state: dict) -> dict:
@@ -243,11 +258,47 @@ def test_training_mode_restored_and_throughput_reported(single):
     assert single["tokens_per_second"] > 0
 
 
+@pytest.mark.parametrize("impl", ["kv_cache", "megatron"])
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_two_rank_layout_equals_tp1(single, two_rank_layouts, layout):
-    rank0, rank1 = (r[layout] for r in two_rank_layouts)
+def test_two_rank_layout_equals_tp1(single, two_rank_layouts, layout, impl):
+    rank0, rank1 = (r[layout][impl] for r in two_rank_layouts)
     assert rank0 == rank1  # every rank of the replica returns identical tokens and log-probs
     _assert_same(rank0, single["layout"])
+
+
+def test_kv_cache_stage_equals_megatron_inference_path(single):
+    """The default decode (rollout/kv_decode.py) samples what GPTModel.forward over megatron's
+    StaticInferenceContext samples; models with features it does not implement fall back to it."""
+    assert single["impl"] == "kv_cache"
+    _assert_same(single["layout"], single["layout_megatron_impl"])
+    assert single["gated_auto_impl"] == "megatron" and single["gated_kv_cache_refused"]
+
+
+def test_attention_mask_causal_padding_and_self():
+    from exgrpo_megatron.rollout.kv_decode import attention_mask
+
+    valid = torch.tensor([[False, True, True, True], [True, True, True, False]])  # row 1: key 3 not yet valid
+    prefill = attention_mask(valid, 0, 3)[:, 0]  # [b, 3 queries, 3 keys], True = may attend
+    assert prefill[0].tolist() == [[True, False, False], [False, True, False], [False, True, True]]  # pad sees itself
+    assert prefill[1].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    decode = attention_mask(valid, 3, 1)[:, 0, 0]  # one query at position 3
+    assert decode.tolist() == [[False, True, True, True], [True, True, True, True]]
+
+
+def test_vocab_padding_mask_is_one_function_for_engine_and_trainer():
+    """The trainer masks each TP shard exactly as the engine masks the gathered vocabulary, and
+    padded ids get zero probability (finite logit: 0 * logit stays 0 in entropy)."""
+    from exgrpo_megatron.policy.objective import mask_vocab_padding
+    from exgrpo_megatron.rollout.sampling import PAD_LOGIT, mask_padded_vocab
+
+    logits = torch.randn(3, 128)
+    full = mask_padded_vocab(logits, 100)
+    shards = [mask_padded_vocab(logits[:, k * 32:(k + 1) * 32], 100, vocab_start=k * 32) for k in range(4)]
+    assert torch.equal(torch.cat(shards, -1), full)
+    assert torch.equal(mask_vocab_padding(logits, 100), full)  # parallel state not initialised: TP rank 0
+    assert torch.equal(full[:, :100], logits[:, :100]) and (full[:, 100:] == PAD_LOGIT).all()
+    assert torch.softmax(full, -1)[:, 100:].max().item() == 0.0
+    assert torch.isfinite((torch.softmax(full, -1) * full).sum(-1)).all()
 
 
 def test_sample_tokens_matches_filtered_distribution():

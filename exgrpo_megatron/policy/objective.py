@@ -13,21 +13,19 @@ from exgrpo_megatron.algo.loss import exgrpo_loss
 from exgrpo_megatron.policy.batch import MicroBatch
 from exgrpo_megatron.policy.logprobs import vocab_parallel_logprobs_entropy
 from exgrpo_megatron.policy.policy import LossFn
+from exgrpo_megatron.rollout.sampling import mask_padded_vocab
 
 
 def mask_vocab_padding(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
-    """Give megatron's padded vocabulary ids (>= vocab_size) no probability, on this rank's shard,
-    exactly as the rollout engine does before sampling, so trainer and sampler log-probs agree."""
+    """Give megatron's padded vocabulary ids (>= vocab_size) no probability on this rank's TP shard
+    with the rollout engine's own masking (`rollout.sampling.mask_padded_vocab`), so trainer and
+    sampler log-probs agree."""
     if vocab_size is None:
         return logits
     from megatron.core import parallel_state as ps
 
-    shard = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * shard if ps.model_parallel_is_initialized() else 0
-    if start + shard <= vocab_size:
-        return logits
-    ids = torch.arange(start, start + shard, device=logits.device)
-    return logits.masked_fill(ids >= vocab_size, -1e30)
+    tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    return mask_padded_vocab(logits, vocab_size, vocab_start=tp_rank * logits.shape[-1])
 
 
 def token_stats_fn(temperature: float, with_entropy: bool, vocab_size: int | None = None) -> LossFn:

@@ -1,17 +1,23 @@
 """Batched sampling from the policy's own megatron-core GPTModel (colocated, any TP x PP).
 
-A hand-written decode loop over megatron's `StaticInferenceContext` KV cache
-(shared/docs/megatron_cpu.md §7), run by every rank of a model replica (SPMD):
+A hand-written decode loop, run by every rank of a model replica (SPMD), over one of two stages:
+`KVCacheStage` (rollout/kv_decode.py, the default: the model's megatron modules with a contiguous
+KV cache holding keys after RoPE, so a decode step costs O(1) copies per layer) or
+`StaticContextStage` (megatron's own GPTModel.forward over `StaticInferenceContext`,
+shared/docs/megatron_cpu.md §7; the reference, and the fallback for models with features
+KVCacheStage does not implement, see `kv_decode.unsupported_reason`). Both give the same samples
+up to fp rounding of the logits (tested).
 
 1. Batching. The call's n x len(prompts) rows are sorted by prompt length (longest first) and cut
    into chunks of `max_batch_sequences` rows. In a chunk each distinct prompt is prefilled ONCE and
    its KV cache is copied to its n sample rows. Rows leave the decode batch as soon as they finish
    (their KV rows are dropped), and a chunk stops when every row has finished.
 2. Exactness. Prompts are left-padded; the attention mask hides pad keys (prefill: causal | pad;
-   decode: pad). RoPE in GPTModel ignores position_ids, but scores depend only on relative
-   positions, so a padded row equals the unpadded prompt up to fp rounding. This needs an attention
-   that honours the boolean mask (the local spec does). With any other core attention (TE on GPU)
-   the engine batches only prompts of equal length (`pad_free_batches`), which needs no mask.
+   decode: pad). RoPE ignores position_ids, but scores depend only on relative positions, so a
+   padded row equals the unpadded prompt up to fp rounding. This needs an attention that honours
+   the boolean mask (KVCacheStage's and the local spec's do). With the megatron stage and any other
+   core attention (TE on GPU) the engine batches only prompts of equal length
+   (`pad_free_batches`), which needs no mask.
 3. TP/PP. Logits are gathered over TP (`runtime_gather_output=True`, megatron's inference
    contract). Stages exchange activations with point-to-point send/recv over the default group;
    the last stage samples, TP rank 0 of the last stage broadcasts (token, log-prob) over TP, and
@@ -40,6 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from exgrpo_megatron.rollout.kv_decode import KVCacheStage, attention_mask, unsupported_reason
 from exgrpo_megatron.rollout.sampling import (
     find_stop_string,
     mask_padded_vocab,
@@ -86,10 +93,33 @@ def plan_chunks(prompt_lengths: list[int], rows: list[Row], max_rows: int, pad_f
     return chunks
 
 
-def reindex_kv_cache(ctx, index: torch.Tensor) -> None:
-    """Keep/copy batch rows of every layer's static KV cache ([seq, batch, ...]) by `index`."""
-    for layer, (k, v) in ctx.key_value_memory_dict.items():
-        ctx.key_value_memory_dict[layer] = (k[:, index], v[:, index])
+class StaticContextStage:
+    """This rank's stage through megatron-core's own inference path: `GPTModel.forward` over a
+    `StaticInferenceContext` (keys cached before RoPE). Same interface as `KVCacheStage`."""
+
+    def __init__(self, model, batch: int, max_len: int) -> None:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.model = model
+        self.ctx = StaticInferenceContext(max_batch_size=batch, max_sequence_length=max_len)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep/copy batch rows of every layer's static KV cache ([seq, batch, ...]) by `index`."""
+        memory = self.ctx.key_value_memory_dict
+        for layer, (k, v) in memory.items():
+            memory[layer] = (k[:, index], v[:, index])
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor | None, start: int, valid: torch.Tensor):
+        batch, seq = tokens.shape
+        if hidden is not None:
+            self.model.set_input_tensor(hidden)
+        positions = torch.arange(start, start + seq, device=tokens.device)[None].expand(batch, seq)
+        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=~attention_mask(valid, start, seq),
+                         inference_context=self.ctx, runtime_gather_output=True)  # megatron mask: True = masked
+        self.ctx.sequence_len_offset = start + seq
+        if start == 0:
+            self.ctx.enable_decode_mode()
+        return out[:, -1, :] if self.model.post_process else out
 
 
 class MegatronRolloutEngine:
@@ -98,6 +128,9 @@ class MegatronRolloutEngine:
     `vocab_size` is the real vocabulary (ModelConfig.vocab_size): logits of megatron's padded ids
     are masked before sampling and log-probs (the trainer must mask them identically). `tokenizer`
     is anything with `decode(ids) -> str` and `eos_token_id` (needed only for stop strings / EOS).
+    `decode_impl`: "kv_cache" (rollout/kv_decode.py, the default when the model supports it),
+    "megatron" (GPTModel.forward over StaticInferenceContext) or "auto"; `last_stats["kv_cache"]`
+    says which ran.
     """
 
     def __init__(
@@ -109,6 +142,7 @@ class MegatronRolloutEngine:
         eos_token_id: int | None = None,
         max_batch_sequences: int = 64,
         pad_free_batches: bool | None = None,
+        decode_impl: str = "auto",
     ) -> None:
         self.model = unwrap_model(model)
         self.decode: Callable[[list[int]], str] | None = tokenizer.decode if tokenizer is not None else None
@@ -117,9 +151,16 @@ class MegatronRolloutEngine:
         if max_batch_sequences < 1:
             raise ValueError("max_batch_sequences must be >= 1")
         self.max_batch_sequences = max_batch_sequences
-        self.pad_free_batches = (
-            not attention_honours_padding_mask(self.model) if pad_free_batches is None else pad_free_batches
-        )
+        if decode_impl not in ("auto", "kv_cache", "megatron"):
+            raise ValueError(f"decode_impl must be auto, kv_cache or megatron, got {decode_impl!r}")
+        if decode_impl == "auto":
+            decode_impl = "kv_cache" if unsupported_reason(self.model) is None else "megatron"
+        elif decode_impl == "kv_cache" and (why := unsupported_reason(self.model)) is not None:
+            raise ValueError(f"decode_impl='kv_cache' does not support this model: {why}")
+        self.decode_impl = decode_impl
+        if pad_free_batches is None:  # the kv_cache attention always honours the padding mask
+            pad_free_batches = decode_impl == "megatron" and not attention_honours_padding_mask(self.model)
+        self.pad_free_batches = pad_free_batches
         self.tokens_per_second = 0.0
         self.last_stats: dict[str, float] = {}
 
@@ -166,13 +207,12 @@ class MegatronRolloutEngine:
         seconds = time.perf_counter() - start
         new_tokens = sum(len(s.response_ids) for group in results for s in group)
         self.tokens_per_second = new_tokens / max(seconds, 1e-9)
-        self.last_stats = {"new_tokens": float(new_tokens), "seconds": seconds, "chunks": float(len(chunks))}
+        self.last_stats = {"new_tokens": float(new_tokens), "seconds": seconds, "chunks": float(len(chunks)),
+                           "kv_cache": float(self.decode_impl == "kv_cache")}
         return [list(group) for group in results]  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------- one chunk
     def _generate_chunk(self, prompts: list[list[int]], chunk: list[Row], params: SamplingParams) -> list[Sample]:
-        from megatron.core.inference.contexts import StaticInferenceContext
-
         device = next(self.model.parameters()).device
         unique = list(dict.fromkeys(i for i, _, _ in chunk))
         slot = {p: k for k, p in enumerate(unique)}
@@ -188,15 +228,12 @@ class MegatronRolloutEngine:
             tokens[k, prompt_len - len(p):] = torch.tensor(p, dtype=torch.long, device=device)
             valid[k, prompt_len - len(p): prompt_len] = True
 
-        ctx = StaticInferenceContext(max_batch_size=batch, max_sequence_length=total_len)
-        causal = torch.triu(torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device), diagonal=1)
-        prefill_mask = causal[None, None] | ~valid[:, None, None, :prompt_len]  # True = masked
-        logits = self._forward(tokens, prefill_mask, ctx, offset=0)
-        ctx.sequence_len_offset = prompt_len
-        ctx.enable_decode_mode()
-        reindex_kv_cache(ctx, expand)
-        valid = valid[expand]
-        logits = logits[expand] if logits is not None else None
+        stage = self._stage(batch, total_len)
+        logits = self._forward(stage, tokens, valid, start=0)  # prefill: each distinct prompt once
+        if batch > len(unique):  # ... its KV rows copied to its n sample rows
+            stage.select_rows(expand)
+            valid = valid[expand]
+            logits = logits[expand] if logits is not None else None
 
         seeds = [r[2] for r in chunk]
         active = list(range(batch))
@@ -208,10 +245,10 @@ class MegatronRolloutEngine:
             uniforms = torch.tensor([uniform(seeds[a], step) for a in active], dtype=torch.float64)
             new_tokens, new_logprobs = self._sample_and_share(logits, uniforms, params, len(active), device)
             keep: list[int] = []
-            for pos, a in enumerate(active):
-                token = int(new_tokens[pos])
+            drawn = zip(active, new_tokens.tolist(), new_logprobs.tolist(), strict=True)
+            for pos, (a, token, logprob) in enumerate(drawn):
                 responses[a].append(token)
-                logprobs[a].append(float(new_logprobs[pos]))
+                logprobs[a].append(logprob)
                 finish[a] = self._finish_reason(token, responses[a], params, window)
                 if finish[a] is None and step == params.max_new_tokens - 1:
                     finish[a] = "length"
@@ -221,13 +258,12 @@ class MegatronRolloutEngine:
                 break
             if len(keep) < len(active):  # drop finished rows from the decode batch
                 index = torch.tensor(keep, device=device)
-                reindex_kv_cache(ctx, index)
+                stage.select_rows(index)
                 valid, new_tokens = valid[index], new_tokens[index]
                 active = [active[k] for k in keep]
             position = prompt_len + step
             valid[:, position] = True
-            logits = self._forward(new_tokens[:, None].to(device), ~valid[:, None, None, : position + 1], ctx, position)
-            ctx.sequence_len_offset += 1
+            logits = self._forward(stage, new_tokens[:, None].to(device), valid, start=position)
         return [
             Sample(list(prompts[i]), responses[a], logprobs[a], finish[a])  # type: ignore[arg-type]
             for a, (i, _, _) in enumerate(chunk)
@@ -245,26 +281,30 @@ class MegatronRolloutEngine:
         return None
 
     # ---------------------------------------------------------------- model + communication
-    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor, ctx, offset: int) -> torch.Tensor | None:
-        """Run this rank's stage on [b, s] tokens; return last-position logits [b, V] on the last
-        stage (padded vocab masked), None elsewhere."""
+    def _stage(self, batch: int, max_len: int):
+        if self.decode_impl == "kv_cache":
+            return KVCacheStage(self.model, max_len)
+        return StaticContextStage(self.model, batch, max_len)
+
+    def _forward(self, stage, tokens: torch.Tensor, valid: torch.Tensor, start: int) -> torch.Tensor | None:
+        """Run this rank's stage on [b, s] tokens at positions start..start+s-1 (keys: `valid`
+        [b, >= start+s]); return last-position logits [b, V] on the last stage (padded vocab
+        masked), None elsewhere. Stages exchange [s, b, h] activations point-to-point."""
         from megatron.core import parallel_state as ps
 
         batch, seq = tokens.shape
-        positions = torch.arange(offset, offset + seq, device=tokens.device)[None].expand(batch, seq)
         pp = ps.get_pipeline_model_parallel_world_size()
+        hidden = None
         if pp > 1 and not ps.is_pipeline_first_stage():
             cfg = self.model.config
             hidden = torch.empty(seq, batch, cfg.hidden_size, dtype=cfg.pipeline_dtype or cfg.params_dtype,
                                  device=tokens.device)
             dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-            self.model.set_input_tensor(hidden)
-        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                         inference_context=ctx, runtime_gather_output=True)
+        out = stage.forward(tokens, hidden, start, valid)
         if pp > 1 and not ps.is_pipeline_last_stage():
             dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
             return None
-        logits = out[:, -1, :].float()
+        logits = out.float()
         return mask_padded_vocab(logits, self.vocab_size) if self.vocab_size is not None else logits
 
     def _sample_and_share(

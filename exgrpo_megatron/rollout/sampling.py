@@ -34,12 +34,20 @@ def uniform(seed: int, step: int) -> float:
     return (splitmix64(seed ^ splitmix64(step)) >> 11) * (1.0 / (1 << 53))
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Megatron pads the vocabulary to a multiple of divisible_by * TP; those ids are not tokens."""
-    if logits.size(-1) > vocab_size:
-        logits = logits.clone()
-        logits[..., vocab_size:] = float("-inf")
-    return logits
+PAD_LOGIT = -1e30  # finite: 0 * PAD_LOGIT = 0 in entropy sums (-inf gives NaN); exp(PAD_LOGIT - max) == 0.0 exactly
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int = 0) -> torch.Tensor:
+    """Give megatron's padded vocabulary ids (>= vocab_size; the vocab is padded to a multiple of
+    make_vocab_size_divisible_by) no probability: their logits become PAD_LOGIT. `logits` [..., V']
+    hold ids vocab_start..vocab_start+V'-1 (a TP shard, or the full gathered vocab with start 0).
+    The one masking used by the rollout engine and the trainer's objective (policy/objective.py),
+    so their log-probs agree; the input is never modified."""
+    width = logits.size(-1)
+    if vocab_start + width <= vocab_size:
+        return logits
+    ids = torch.arange(vocab_start, vocab_start + width, device=logits.device)
+    return logits.masked_fill(ids >= vocab_size, PAD_LOGIT)
 
 
 def sample_tokens(
