@@ -60,6 +60,7 @@ from exgrpo_megatron.checkpoint.pool_io import (
     write_pool_shard,
 )
 from exgrpo_megatron.checkpoint.rng_io import RNG_SUBDIR, restore_rng_state, write_rng_state
+from exgrpo_megatron.checkpoint.scheduler_state import restore_scheduler
 from exgrpo_megatron.config.schema import ModelConfig
 
 MODEL_SUBDIR = "model"
@@ -300,8 +301,9 @@ def load_checkpoint(
     """Load a trainer checkpoint into this layout (any TP/PP/DP). Collective.
 
     Order: manifest + checksums + architecture check + pool shards (cheap, fail early with the file
-    named) -> model/optimizer via dist_checkpointing -> LR scheduler -> RNG (only when the process
-    layout is identical; otherwise a warning, and the caller's fresh seeding stays).
+    named) -> model/optimizer via dist_checkpointing -> LR scheduler (progress from the checkpoint,
+    schedule from the config: scheduler_state.py) -> RNG (only when the process layout is identical;
+    otherwise a warning, and the caller's fresh seeding stays).
     """
     path = Path(path)
     root = read_root_manifest(path)
@@ -319,7 +321,11 @@ def load_checkpoint(
 
     load_model_and_optimizer(path / MODEL_SUBDIR, model_chunks, optimizer)
     if scheduler_state is not None:
-        opt_param_scheduler.load_state_dict(scheduler_state)
+        changed = restore_scheduler(opt_param_scheduler, scheduler_state)
+        if changed:
+            warnings.warn(f"checkpoint {path}: the LR schedule of this run's config differs from the checkpoint's "
+                          f"({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}); continuing at update "
+                          f"{opt_param_scheduler.num_steps} with the config's schedule", stacklevel=2)
 
     rng_restored = False
     if load_rng:
