@@ -4,12 +4,17 @@ Workload per repeat: ``questions`` fresh questions x 8 responses (a GRPO group s
 kinds integers / fractions / decimals / sqrt, correct in several forms and wrong; the "mixed" scenario
 adds a few adversarial answers (power towers, a 5,000-character nested expression, binary junk).
 Each repeat uses new questions, so the per-process gold-parse cache never carries over between runs.
-Pool start-up (fork server + Math-Verify import) is reported separately and excluded from the rates.
+Pool start-up (fork server + Math-Verify import) is reported separately and excluded from the rates, and
+both sides grade one untimed warm-up batch first (steady state: the pool lives for the whole run).
 
 Besides wall-clock rates, CPU seconds per item are measured (serial: ``time.process_time``; pool: the
 workers' utime+stime from /proc plus the parent's process time). On a shared, oversubscribed box the
 wall-clock speedup mostly reflects how much CPU the scheduler grants; ``cpu_bound_speedup_2_cores``
 = workers x serial CPU/item / pool CPU/item is what the pool would reach with ``workers`` idle cores.
+``*_cores_used`` = items/s x CPU s/item is the CPU share each side actually got. With the kernel's
+autogroup scheduling (``sched_autogroup_enabled``, recorded) CPU is shared fairly between sessions, not
+threads: the pool's processes share one session's share with the parent, so when other sessions keep the
+cores busy the pool gets about the serial process's share and its wall-clock speedup stays near 1x.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python bench/reward_throughput.py`` (writes bench/results/reward_throughput.json).
 """
@@ -94,6 +99,14 @@ def run_pool(pool: GraderPool, items) -> tuple[list[float], float, float, int]:
     return result.rewards, result.seconds, cpu_after - cpu_before, result.n_timeouts_killed
 
 
+def autogroup_enabled() -> bool | None:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=100, help="questions per repeat (x8 responses)")
@@ -110,6 +123,9 @@ def main() -> None:
     pool = GraderPool(args.workers, args.timeout_seconds, args.hard_deadline_seconds)
     pool.wait_ready()
     startup_seconds = time.perf_counter() - start
+    warm_up = make_items(999_999, 8, adversarial=False)
+    run_serial(warm_up, args.timeout_seconds)
+    pool.grade(warm_up)
 
     scenarios = {}
     with pool:
@@ -136,6 +152,8 @@ def main() -> None:
                     "serial_cpu_ms_per_item": 1000 * serial_cpu_per_item,
                     "pool_cpu_ms_per_item": 1000 * pool_cpu_per_item,
                     "cpu_bound_speedup_2_cores": args.workers * serial_cpu_per_item / pool_cpu_per_item,
+                    "serial_cores_used": serial_cpu / serial_s,
+                    "pool_cores_used": pool_cpu / pool_s,
                     "mean_reward": sum(pool_rewards) / len(pool_rewards),
                     "n_timeouts_killed": kills,
                     "n_serial_vs_pool_reward_mismatches": len(mismatches),
@@ -158,6 +176,7 @@ def main() -> None:
         "n_adversarial_in_mixed": len(ADVERSARIAL),
         "pool_startup_seconds": startup_seconds,
         "cpu_count": os.cpu_count(),
+        "sched_autogroup_enabled": autogroup_enabled(),
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "python": sys.version.split()[0],
@@ -165,12 +184,14 @@ def main() -> None:
     }
     print(f"pool start-up {startup_seconds:.2f} s; load average {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}")
     print(f"{'scenario':<9} {'rep':>3} {'items':>5} {'serial/s':>8} {'pool/s':>7} {'speedup':>7} "
-          f"{'cpu ms/it ser':>13} {'pool':>6} {'cpu-bound x':>11} {'kills':>5} {'load':>5}")
+          f"{'cpu ms/it ser':>13} {'pool':>6} {'cpu-bound x':>11} {'cores ser':>9} {'pool':>5} {'kills':>5} "
+          f"{'load':>5}")
     for name, sc in scenarios.items():
         for i, r in enumerate(sc["repeats"]):
             print(f"{name:<9} {i:>3} {r['items']:>5} {r['serial_per_s']:>8.0f} {r['pool_per_s']:>7.0f} "
                   f"{r['speedup']:>6.2f}x {r['serial_cpu_ms_per_item']:>13.2f} {r['pool_cpu_ms_per_item']:>6.2f} "
-                  f"{r['cpu_bound_speedup_2_cores']:>10.2f}x {r['n_timeouts_killed']:>5} {r['loadavg_1min']:>5.1f}")
+                  f"{r['cpu_bound_speedup_2_cores']:>10.2f}x {r['serial_cores_used']:>9.2f} "
+                  f"{r['pool_cores_used']:>5.2f} {r['n_timeouts_killed']:>5} {r['loadavg_1min']:>5.1f}")
         print(f"{name:<9} {'med':>3} {'':>5} {sc['median_serial_per_s']:>8.0f} {sc['median_pool_per_s']:>7.0f} "
               f"{sc['median_speedup']:>6.2f}x {'':>13} {'':>6} {sc['median_cpu_bound_speedup_2_cores']:>10.2f}x")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

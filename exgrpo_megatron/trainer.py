@@ -29,7 +29,7 @@ from exgrpo_megatron.policy.train_batch import (
     micro_batches_for_update,
     token_stats,
 )
-from exgrpo_megatron.reward.rollout_rewards import rewards_per_group, submit_grading
+from exgrpo_megatron.reward.rollout_rewards import StreamingGrading, rewards_per_group
 from exgrpo_megatron.rollout.groups import generate_groups
 from exgrpo_megatron.rollout.types import SamplingParams
 from exgrpo_megatron.run_state import RunState
@@ -51,16 +51,18 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
     groups = compose_step(c.train_data, c.sampler, c.pool, replay_on=replay_on, batch_size=t.train_batch_size,
                           experience_ratio=t.experience_ratio, step_seed=step_seed(cfg.seed, step), scorer=scorer)
     mine = local_groups(groups, c.layout.dp_rank, c.layout.dp_size)
-    # 2. generate K per fresh question, K-1 + the stored trajectory per experience question
+    # 2. generate K per fresh question, K-1 + the stored trajectory per experience question; each engine
+    #    batch's groups go to the grader pool as soon as they are done (graded while the next one generates)
     params = SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=r.temperature, top_p=r.top_p,
                             top_k=r.top_k, stop_strings=list(r.stop), seed=step_seed(cfg.seed, step))
+    grading = StreamingGrading(c.grader, c.tokenizer, mine, cfg.reward.require_think)
     c.engine.wake()
-    samples = generate_groups(c.engine, mine, r.n, params)
+    samples = generate_groups(c.engine, mine, r.n, params, on_chunk=grading.submit)
     c.engine.sleep()
     t_gen = time.perf_counter()
-    # 3. grade, advantages, pool update, delayed-start switch
-    handle = submit_grading(c.grader, c.tokenizer, mine, samples, cfg.reward.require_think)
-    graded = c.grader.result(handle)
+    # 3. collect the grades (time/reward: the part not overlapped with generation), advantages, pool update,
+    #    delayed-start switch
+    graded = grading.result()
     rewards = rewards_per_group(graded.rewards, samples)
     t_rew = time.perf_counter()
     batch = build_rollout_batch(samples, rewards, a.adv_std_normalize)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from exgrpo_megatron.reward.grader import GraderPool, score_response, validate_timeout
+from exgrpo_megatron.reward.grader_worker import take_chunk
 from exgrpo_megatron.reward.scoring import extract_answer
 
 # (response text as generated after a prompt ending in "<think>\n", gold, require_think, expected reward)
@@ -158,8 +160,8 @@ def test_stopped_worker_is_killed_at_the_deadline():
         os.kill(stopped_pid, signal.SIGSTOP)  # a real hang: the worker cannot even run its alarm handler
         items = [(f"</think> \\boxed{{{i}}}", str(i), True) for i in range(12)]
         result = grader_pool.grade(items)
-        # Idle workers are served first, so the stopped worker holds items 0 and 2: item 0 (its oldest) scores 0,
-        # item 2 goes back to the queue and is graded elsewhere.
+        # Idle workers are served first, so the stopped worker holds the first chunk (items 0-2) and a later one:
+        # item 0 (its oldest) scores 0, the others go back to the queue and are graded elsewhere.
         assert result.n_timeouts_killed == 1
         assert result.rewards == [0.0] + [1.0] * 11
         assert stopped_pid not in grader_pool.worker_pids()
@@ -168,6 +170,7 @@ def test_stopped_worker_is_killed_at_the_deadline():
 
 def test_worker_killed_between_batches_is_replaced():
     with GraderPool(num_workers=2, timeout_seconds=3, hard_deadline_seconds=8.0) as grader_pool:
+        grader_pool.wait_ready()  # the victim must be a ready worker, so the next batch is dealt to it too
         items = [(resp, gold, req) for resp, gold, req, _ in GRADING_TABLE]
         expected = [e for *_, e in GRADING_TABLE]
         assert grader_pool.grade(items).rewards == expected
@@ -179,10 +182,33 @@ def test_worker_killed_between_batches_is_replaced():
         assert victim not in grader_pool.worker_pids() and len(grader_pool.worker_pids()) == 2
 
 
+def test_preemption_signals_to_the_whole_job_leave_the_pool_working():
+    """Slurm signals every process of a step: the workers and the fork server must survive SIGTERM/SIGUSR1
+    (the trainer handles them), so the step in flight finishes and a later replacement can still start."""
+    from multiprocessing import forkserver
+
+    with GraderPool(num_workers=2, timeout_seconds=3, hard_deadline_seconds=8.0) as grader_pool:
+        grader_pool.wait_ready()
+        items = [(resp, gold, req) for resp, gold, req, _ in GRADING_TABLE]
+        expected = [e for *_, e in GRADING_TABLE]
+        workers = grader_pool.worker_pids()
+        server = forkserver._forkserver._forkserver_pid
+        assert server is not None
+        for pid in [*workers, server]:
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.3)
+        assert grader_pool.grade(items).rewards == expected
+        assert grader_pool.worker_pids() == workers and grader_pool.total_worker_deaths == 0
+        os.kill(workers[0], signal.SIGKILL)  # the replacement comes from the fork server that got the signals
+        assert grader_pool.grade(items).rewards == expected
+        assert grader_pool.total_worker_deaths == 1 and len(grader_pool.worker_pids()) == 2
+
+
 def test_worker_killed_while_grading_is_replaced_and_counted():
     with GraderPool(num_workers=2, timeout_seconds=1, hard_deadline_seconds=10.0) as grader_pool:
         grader_pool.wait_ready()
-        # Idle workers are served first, so each worker starts on one ~1 s item: the victim is busy when killed.
+        # Idle workers are served first, so the victim starts on a ~1 s item: it is busy when killed.
         slow = [("</think> \\boxed{9^{9^{9^{9}}}}", "3", True)] * 2
         normal = [(f"</think> \\boxed{{{i}/7}}", f"\\frac{{{i}}}{{7}}", True) for i in range(1, 15)]
         handle = grader_pool.submit(slow + normal)
@@ -200,7 +226,7 @@ def test_items_held_by_a_killed_worker_are_regraded():
     with GraderPool(num_workers=2, timeout_seconds=3, hard_deadline_seconds=30.0) as grader_pool:
         grader_pool.wait_ready()
         victim = grader_pool.worker_pids()[0]
-        os.kill(victim, signal.SIGSTOP)  # it will hold its two items (0 and 2) without grading them
+        os.kill(victim, signal.SIGSTOP)  # it will hold its two chunks without grading them
         items = [(f"</think> \\boxed{{{i}/7}}", f"\\frac{{{i + (i % 4 == 0)}}}{{7}}", True) for i in range(1, 13)]
         handle = grader_pool.submit(items)
         time.sleep(0.5)
@@ -221,3 +247,41 @@ def test_closed_pool_rejects_work_and_fails_pending_batches():
         grader_pool.result(handle)
     with pytest.raises(RuntimeError, match="closed"):
         grader_pool.submit([("</think> 1", "1", True)])
+
+
+def _job(gold: str, answer: str = "1") -> tuple:
+    return (None, 0, answer, gold, 0)
+
+
+def test_take_chunk_sizes_keep_a_gold_together_and_bound_a_busy_pipe():
+    grouped = collections.deque(_job(f"g{i // 8}") for i in range(100))  # 12.5 groups of 8 sharing a gold
+    assert [j[3] for j in take_chunk(grouped, n_ready=2, busy_chars=None)] == ["g0"] * 8 + ["g1"] * 8
+    tail = collections.deque(_job(f"g{i // 8}") for i in range(12))  # target ceil(12 / 4) = 3, the gold's run is 8
+    assert len(take_chunk(tail, n_ready=2, busy_chars=None)) == 8 and len(tail) == 4
+    distinct = collections.deque(_job(str(i)) for i in range(12))
+    assert [j[3] for j in take_chunk(distinct, n_ready=2, busy_chars=None)] == ["0", "1", "2"]
+    huge = collections.deque([_job("3", "x" * 20_000), _job("3")])
+    assert take_chunk(huge, n_ready=1, busy_chars=100) == []  # would not fit behind a busy worker's items
+    assert len(take_chunk(huge, n_ready=1, busy_chars=None)) == 1  # an idle worker reads it at once
+
+
+def test_slow_items_that_each_finish_in_time_are_not_killed():
+    # One worker, one chunk of four ~1-1.5 s items (Math-Verify's own 1 s timeouts): the chunk takes longer than the
+    # 3.5 s hard deadline, but every item finishes within it, and the deadline counts from the last finished item.
+    with GraderPool(num_workers=1, timeout_seconds=1, hard_deadline_seconds=3.5) as grader_pool:
+        grader_pool.wait_ready()
+        pid = grader_pool.worker_pids()
+        result = grader_pool.grade([("</think> \\boxed{9^{9^{9^{9}}}}", "3", True)] * 4 + [("</think> 1", "1", True)])
+        assert result.seconds > 3.5  # the case under test: the chunk outlived the deadline
+        assert result.rewards == [0.0] * 4 + [1.0]
+        assert result.n_timeouts_killed == 0 and grader_pool.worker_pids() == pid
+
+
+def test_kill_in_mid_chunk_keeps_the_finished_items_and_regrades_the_rest():
+    with GraderPool(num_workers=1, timeout_seconds=5, hard_deadline_seconds=1.5) as grader_pool:
+        grader_pool.wait_ready()
+        ok = [(f"</think> \\boxed{{{i}}}", str(i if i != 4 else 5), True) for i in range(6)]
+        items = ok[:2] + [("</think> \\boxed{9^{9^{9}}}", "3", True)] + ok[2:]  # one chunk of 7 (target 4, then 3)
+        result = grader_pool.grade(items)
+        assert result.rewards == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+        assert result.n_timeouts_killed == 1 and grader_pool.total_timeouts_killed == 1

@@ -4,17 +4,21 @@ Failure it survives: Math-Verify's own ``signal.alarm`` timeouts fire only betwe
 on a process's main thread, so a pathological answer stuck in C code, a crashed worker or a stopped
 one would stall a plain ``multiprocessing.Pool`` (which cannot kill one task) and with it training.
 Here every worker is a separate process that grades items one at a time, in order, on its main
-thread (so the alarm works). A dispatcher thread in the parent keeps up to ``_PIPELINE_DEPTH`` items
-in each worker's pipe (the item being graded plus the next, so a worker never idles waiting for the
-parent on a loaded machine), and grading overlaps whatever the caller does next (generation).
+thread (so the alarm works; ``reward/grader_worker.py``). A dispatcher thread in the parent sends
+consecutive items in chunks (``take_chunk``: up to 16, a gold's items kept together) and keeps up to
+``PIPELINE_DEPTH`` chunks in each worker's pipe (the one being graded plus the next, so a worker never
+idles waiting for the parent on a loaded machine); grading overlaps whatever the caller does next
+(generation). Workers report progress per item through shared memory and send one message per
+chunk, so the parent wakes once per chunk.
+
 A worker that makes no progress for ``hard_deadline_seconds`` while it holds items is killed
 (``n_timeouts_killed``); a worker that dies is noticed through its process sentinel
-(``n_worker_deaths``). A fresh worker replaces it while the others keep going, and the items queued
-behind the one it was grading (its oldest) go back to the shared queue. The oldest item scores 0
-after a deadline kill; after a death it is retried once (the worker may have been killed from
-outside before reading it) and scores 0 if its second worker dies too.
-So one slow item delays at most one other item, by at most the deadline. Results keep the order of
-the submitted items.
+(``n_worker_deaths``). A fresh worker replaces it while the others keep going: the items it finished
+keep their rewards, the one it was grading (its oldest unfinished) is settled, and the items queued
+behind it go back to the shared queue. That item scores 0 after a deadline kill; after a death it is
+retried once (the worker may have been killed from outside before reading it) and scores 0 if its
+second worker dies too. So one slow item delays at most the items queued behind it on its worker (at
+most ``PIPELINE_DEPTH`` chunks), by at most the deadline. Results keep the order of the submitted items.
 
 The cheap format check (``extract_answer``) runs in the parent; only ``(answer, gold)`` travels to
 a worker. Workers come from a ``forkserver`` that has imported and warmed up Math-Verify once
@@ -26,17 +30,24 @@ from __future__ import annotations
 
 import atexit
 import collections
-import logging
 import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from exgrpo_megatron.reward.scoring import extract_answer, score_answer, score_response, validate_timeout
+from exgrpo_megatron.reward.grader_worker import (
+    DONE,
+    LAST_DONE,
+    PIPELINE_DEPTH,
+    RING,
+    SLOTS,
+    record_size,
+    take_chunk,
+    worker_main,
+)
+from exgrpo_megatron.reward.scoring import extract_answer, score_response, validate_timeout
 
 __all__ = ["GradeHandle", "GradeResult", "GraderPool", "score_response", "validate_timeout"]
 
@@ -45,29 +56,7 @@ GradeItem = tuple[str, str, bool]  # (response_text, gold, require_think)
 _STARTUP_DEADLINE_SECONDS = 120.0  # a worker that never reports ready is killed after this
 _MAX_CONSECUTIVE_START_FAILURES = 5  # then the pool is declared broken (e.g. Math-Verify not importable)
 _MAX_RETRIES_AFTER_DEATH = 1  # an item whose worker died is retried once; a second death scores it 0
-_PIPELINE_DEPTH = 2  # items in flight per worker: the one being graded + the next
-_PIPELINE_MAX_CHARS = 16_000  # a queued-behind item must be small, so a send to a busy worker never blocks
 _Job = tuple["GradeHandle", int, str, str, int]  # (handle, index in batch, answer, gold, worker deaths it saw)
-
-
-def _worker_main(conn: Connection, timeout_seconds: int) -> None:
-    """Worker loop: receive ``(answer, gold)``, send back ``("reward", float)``; ``None`` or EOF stops it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    for name in ("math_verify", "latex2sympy2_extended"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    from exgrpo_megatron.reward.worker_warmup import warm_up_math_verify  # not imported by the parent
-
-    try:
-        warm_up_math_verify(timeout_seconds)  # ~ms when forked from the warm fork server
-        conn.send(("ready", os.getpid()))
-        while True:
-            item = conn.recv()
-            if item is None:
-                return
-            answer, gold = item
-            conn.send(("reward", score_answer(answer, gold, timeout_seconds)))
-    except (EOFError, OSError):
-        return  # the parent went away
 
 
 @dataclass
@@ -109,9 +98,13 @@ class GradeHandle:
 class _Worker:
     process: Any  # multiprocessing Process of the chosen context
     conn: Connection
+    record: Any  # shared progress record (grader_worker module doc)
     started_at: float
     ready: bool = False
-    jobs: collections.deque[_Job] = field(default_factory=collections.deque)  # in its pipe, oldest first
+    jobs: collections.deque[_Job] = field(default_factory=collections.deque)  # sent, not yet collected
+    chunks: int = 0  # chunks sent and not yet reported done
+    collected: int = 0  # items whose rewards were taken from the record (= the worker's count when idle)
+    progress_seen: int = 0  # the worker's count when its deadline was last set
     inflight_chars: int = 0
     deadline: float = float("inf")  # last progress + hard deadline, while it holds jobs
 
@@ -138,7 +131,8 @@ class GraderPool:
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # Import Math-Verify once in the fork server; no-op if the server already runs.
-            self._ctx.set_forkserver_preload(["exgrpo_megatron.reward.grader", "exgrpo_megatron.reward.worker_warmup"])
+            self._ctx.set_forkserver_preload(["exgrpo_megatron.reward.grader_worker",
+                                              "exgrpo_megatron.reward.worker_warmup"])
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._wake_recv, self._wake_send = mp.Pipe(duplex=False)
@@ -250,19 +244,21 @@ class GraderPool:
 
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(
-            target=_worker_main, args=(child_conn, self.timeout_seconds), name="GraderPool-worker", daemon=True
-        )
+        record = self._ctx.RawArray("d", record_size(RING))
+        process = self._ctx.Process(target=worker_main, args=(child_conn, self.timeout_seconds, record, RING),
+                                    name="GraderPool-worker", daemon=True)
         process.start()
         child_conn.close()
-        return _Worker(process=process, conn=parent_conn, started_at=time.monotonic())
+        return _Worker(process=process, conn=parent_conn, record=record, started_at=time.monotonic())
 
     def _replace(self, worker: _Worker, killed_on_deadline: bool) -> None:
-        """Kill ``worker`` (if alive), count it, settle its oldest item (see module doc), re-queue the rest."""
+        """Kill ``worker`` (if alive), count it, keep what it finished, settle the item it was on (see
+        module doc), re-queue the rest."""
         if worker.process.is_alive():
             worker.process.kill()
         worker.process.join(timeout=5.0)
         worker.conn.close()
+        self._collect(worker, int(worker.record[DONE]))  # it is gone: its record is final
         if killed_on_deadline:
             self.total_timeouts_killed += 1
         else:
@@ -289,29 +285,47 @@ class GraderPool:
 
     def _assign(self) -> None:
         """Top every ready worker up to the pipeline depth, breadth first (idle workers are served first)."""
-        for depth in range(1, _PIPELINE_DEPTH + 1):
+        for depth in range(1, PIPELINE_DEPTH + 1):
             for worker in list(self._workers):
-                if not worker.ready or len(worker.jobs) >= depth or worker not in self._workers:
+                if not worker.ready or worker.chunks >= depth or worker not in self._workers:
                     continue
                 with self._lock:
                     if not self._queue:
                         return
-                    job = self._queue[0]
-                    chars = len(job[2]) + len(job[3])
-                    if worker.jobs and worker.inflight_chars + chars > _PIPELINE_MAX_CHARS:
-                        continue
-                    self._queue.popleft()
+                    n_ready = sum(w.ready for w in self._workers)
+                    chunk = take_chunk(self._queue, n_ready, worker.inflight_chars if worker.jobs else None)
+                if not chunk:
+                    continue
                 try:
-                    worker.conn.send((job[2], job[3]))
-                except OSError:  # died: retry the item elsewhere
+                    worker.conn.send([(answer, gold) for _, _, answer, gold, _ in chunk])
+                except OSError:  # died: retry the items elsewhere
                     with self._lock:
-                        self._queue.appendleft(job)
+                        self._queue.extendleft(reversed(chunk))
                     self._replace(worker, killed_on_deadline=False)
                     continue
                 if not worker.jobs:
                     worker.deadline = time.monotonic() + self.hard_deadline_seconds
-                worker.jobs.append(job)
-                worker.inflight_chars += chars
+                worker.jobs.extend(chunk)
+                worker.chunks += 1
+                worker.inflight_chars += sum(len(job[2]) + len(job[3]) for job in chunk)
+
+    def _collect(self, worker: _Worker, count: int) -> None:
+        """Finish the items ``worker`` graded, up to its ``count``-th, with the rewards in its record."""
+        while worker.collected < count and worker.jobs:
+            handle, index, answer, gold, _ = worker.jobs.popleft()
+            worker.inflight_chars -= len(answer) + len(gold)
+            handle._finish_item(index, float(worker.record[SLOTS + worker.collected % RING]))
+            worker.collected += 1
+
+    def _progressed(self, worker: _Worker, now: float) -> bool:
+        """At ``worker``'s deadline: if it finished an item since the deadline was set, move the deadline
+        to that item's finish + the hard deadline and say whether it is still ahead."""
+        count = int(worker.record[DONE])
+        if count <= worker.progress_seen:
+            return False
+        worker.progress_seen = count
+        worker.deadline = worker.record[LAST_DONE] + self.hard_deadline_seconds
+        return now < worker.deadline
 
     def _receive(self, worker: _Worker) -> None:
         try:
@@ -322,11 +336,11 @@ class GraderPool:
         if kind == "ready":
             worker.ready = True
             self._consecutive_start_failures = 0
-        elif kind == "reward" and worker.jobs:
-            handle, index, answer, gold, _ = worker.jobs.popleft()
-            worker.inflight_chars -= len(answer) + len(gold)
+        elif kind == "done":
+            worker.chunks -= 1
+            self._collect(worker, int(value))
+            worker.progress_seen = max(worker.progress_seen, worker.collected)
             worker.deadline = time.monotonic() + self.hard_deadline_seconds if worker.jobs else float("inf")
-            handle._finish_item(index, float(value))
 
     def _drain(self, worker: _Worker) -> None:
         """Receive every message already waiting from ``worker`` (EOF retires it)."""
@@ -361,7 +375,7 @@ class GraderPool:
                             self._replace(worker, killed_on_deadline=False)
                 now = time.monotonic()
                 for worker in list(self._workers):
-                    if worker.ready and now >= worker.deadline:
+                    if worker.ready and now >= worker.deadline and not self._progressed(worker, now):
                         if worker.conn.poll():  # answered just in time
                             self._receive(worker)
                             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+from exgrpo_megatron.reward.grader_worker import ignore_preemption_signals
 from exgrpo_megatron.reward.scoring import score_answer
 
 
@@ -20,4 +21,5 @@ def warm_up_math_verify(timeout_seconds: int = 5) -> None:
 
 
 if threading.current_thread() is threading.main_thread():  # importing it in a fork server warms the server
+    ignore_preemption_signals()  # only the fork server and workers import this module
     warm_up_math_verify()
