@@ -1,0 +1,310 @@
+"""The training loop with a non-empty experience pool (issue #5), on a tiny warm-started model.
+
+* DP=2: the pool is really sharded -- every rank's shard holds questions, the shards are disjoint and
+  owned, and their sizes add up to the pool totals the run logged; the batch is split over the ranks.
+* The mixed phase really replays: experience groups carry the pool's stored trajectory as their K-th
+  sample (same token ids and behaviour log-probs as the pool entry drawn), those rows are marked
+  is_replay, and their loss is -A * f(w), f(w) = w / (w + beta), w = pi_theta / pi_behaviour -- checked
+  against a float64 reference recomputed from the rollout batch and the model's logits, which a
+  replay row treated as on-policy (-A * pi_theta / pi_old) would fail. TensorBoard gets the same scalars.
+
+A from-scratch model solves nothing (empty pool), so a short supervised warm start (cached once per
+module in a temporary directory) makes some answers correct.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from exgrpo_megatron.config.loader import load_config
+from tests.helpers.multirank import run_on_ranks
+from tests.test_trainer import REQUIRED_KEYS, _overrides
+
+K = 4  # rollout.n in _overrides
+STEPS, BATCH = 5, 16
+BETA = 0.3  # not the default 0.1: the loss must use the configured beta
+REL, ABS = 1e-4, 1e-5
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+
+def _replay_overrides(run_dir: str, sft_dir: str, extra: tuple[str, ...] = ()) -> list[str]:
+    return _overrides(run_dir, extra=(
+        "trainer.sft_warm_start_steps=150", "trainer.sft_warm_start_lr=5e-3", f"trainer.sft_cache_dir={sft_dir}",
+        "data.num_train_examples=512", "data.max_response_length=32", f"trainer.total_steps={STEPS}",
+        f"trainer.train_batch_size={BATCH}", f"trainer.ppo_mini_batch_size={BATCH // 2}", *extra))
+
+
+def _warm_start(overrides: list[str]) -> None:
+    from exgrpo_megatron.data.tokenizer import load_tokenizer
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.policy.warm_start import warm_start_weights
+
+    cfg = load_config("demo_cpu", overrides)
+    init_distributed(seed=cfg.seed)
+    warm_start_weights(cfg, load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory) -> str:
+    """The warm-start weights, trained once (the cache key ignores the run dir, the layout and the
+    micro-batch budget: one micro-batch per supervised step here, the same gradient, less overhead)."""
+    d = tmp_path_factory.mktemp("sft")
+    run_on_ranks(_warm_start, 1, args=(_replay_overrides(str(d / "unused"), str(d),
+                                                         ("trainer.micro_batch_max_tokens=8192",)),))
+    return str(d)
+
+
+@contextlib.contextmanager
+def _spy(module, name: str, make_wrapper):
+    """Replace module.<name> by make_wrapper(original) for the duration of the block."""
+    original = getattr(module, name)
+    setattr(module, name, make_wrapper(original))
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _metrics(run_dir: str) -> list[dict]:
+    from exgrpo_megatron.logging import read_metrics
+
+    return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+
+
+# ------------------------------------------------------------------------------------------- DP=2 sharding
+def _train_dp_keeping_pool(overrides: list[str]) -> dict:
+    """run_training, keeping this rank's Components to report its pool shard and its groups per step."""
+    import exgrpo_megatron.trainer as trainer
+
+    kept: dict = {}
+    groups_seen: list[list[int]] = []
+
+    def build(original):
+        def wrapper(cfg, layout):
+            kept["c"] = original(cfg, layout)
+            return kept["c"]
+        return wrapper
+
+    def generate(original):
+        def wrapper(engine, groups, *args, **kwargs):
+            groups_seen.append([g.qid for g in groups])
+            return original(engine, groups, *args, **kwargs)
+        return wrapper
+
+    cfg = load_config("demo_cpu", overrides)
+    with _spy(trainer, "build_components", build), _spy(trainer, "generate_groups", generate):
+        assert trainer.run_training(cfg) == 0
+    pool = kept["c"].pool
+    shard = pool.shard
+    return {
+        "metrics": _metrics(cfg.logging.run_dir) if kept["c"].layout.rank == 0 else None,
+        "qids": shard.question_ids(), "owned": all(pool.owns(q) for q in shard.question_ids()),
+        "questions": shard.num_questions, "trajectories": shard.num_trajectories, "tokens": shard.num_tokens,
+        "buckets": shard.bucket_sizes.tolist(), "retired": sorted(shard.retired), "groups": groups_seen,
+    }
+
+
+def test_dp2_shards_the_batch_and_agrees_on_the_totals(tmp_path, sft_dir):
+    got = run_on_ranks(_train_dp_keeping_pool, 2, args=(_replay_overrides(str(tmp_path / "dp2"), sft_dir),))
+    logged = got[0]["metrics"]
+    assert len(logged) == STEPS
+    for m in logged:
+        assert all(key in m for key in REQUIRED_KEYS)
+    assert sum(m["experience/n_replayed"] for m in logged) > 0  # the sharded pool was drawn from
+    last = logged[-1]
+    for r, shard in enumerate(got):  # every rank holds a non-empty shard of questions it owns
+        assert shard["questions"] > 0 and shard["trajectories"] > 0 and shard["owned"], (r, shard)
+    assert not set(got[0]["qids"]) & set(got[1]["qids"])
+    assert sum(s["questions"] for s in got) == last["experience/questions"]
+    assert sum(s["trajectories"] for s in got) == last["experience/trajectories"]
+    assert sum(s["tokens"] for s in got) == last["experience/stored_tokens"]
+    for k in range(K + 1):
+        assert sum(s["buckets"][k] for s in got) == last[f"experience/bucket_{k}"], k
+    # retirements are replicated on every rank (a retired question is skipped by every rank's sampler)
+    assert got[0]["retired"] == got[1]["retired"] and len(got[0]["retired"]) == last["experience/retired"]
+    # each step's groups are split half and half over the ranks, no group twice
+    for step, (mine0, mine1) in enumerate(zip(got[0]["groups"], got[1]["groups"], strict=True), start=1):
+        assert len(mine0) == len(mine1) == BATCH // 2 and not set(mine0) & set(mine1), step
+
+
+# ------------------------------------------------------------------------------------------- replay + f(w)
+def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float):
+    """float64 log softmax(logits / T)[label] over the real vocabulary (padding ids get no mass)."""
+    x = logits.detach().to(torch.float64).clone()
+    assert x.shape[:2] == labels.shape, (x.shape, labels.shape)
+    x[..., vocab_size:] = float("-inf")
+    return torch.log_softmax(x / temperature, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def _train_recording_replay(overrides: list[str]) -> dict:
+    """run_training (DP=1) with spies on the pool draw, the groups, the rollout batch and every loss call."""
+    import exgrpo_megatron.trainer as trainer
+
+    cfg = load_config("demo_cpu", overrides)
+    steps: dict[int, dict] = {}
+    now: dict = {}
+
+    def train_step(original):
+        def wrapper(c, state, step):
+            now["step"] = steps.setdefault(step, {"choices": [], "groups": [], "samples": [], "calls": []})
+            if "spied" not in now:  # the pool draw: which stored trajectory was chosen, and is it in the pool?
+                now["spied"] = sample = c.pool.sample
+
+                def draw(n, seed, scorer=None):
+                    out = sample(n, seed, scorer)
+                    now["step"]["choices"] += [
+                        (ch.qid, ch.trajectory.token_ids.copy(), ch.trajectory.logprobs.copy(),
+                         any(t.same_tokens(ch.trajectory) for t in c.pool.shard.candidates(ch.qid)))
+                        for ch in out]
+                    return out
+                c.pool.sample = draw
+            return original(c, state, step)
+        return wrapper
+
+    def generate(original):
+        def wrapper(engine, groups, *args, **kwargs):
+            out = original(engine, groups, *args, **kwargs)
+            now["step"]["groups"] = [(g.qid, None if g.replay is None else g.replay.token_ids.tolist(),
+                                      None if g.replay is None else g.replay.logprobs.tolist()) for g in groups]
+            now["step"]["samples"] = [[(list(s.response_ids), list(s.logprobs), s.is_replay) for s in grp]
+                                      for grp in out]
+            return out
+        return wrapper
+
+    def rollout_batch(original):
+        def wrapper(*args, **kwargs):
+            now["step"]["batch"] = batch = original(*args, **kwargs)
+            return batch
+        return wrapper
+
+    def loss_factory(original):
+        def factory(**kw):
+            inner = original(**kw)
+
+            def loss_fn(logits, mb):
+                loss, metrics = inner(logits, mb)
+                now["step"]["calls"].append({
+                    "kw": {k: kw[k] for k in ("mixed_phase", "shaping_beta", "pg_normaliser")}, "rows": list(mb.rows),
+                    "mask": mb.loss_mask.detach().clone(), "old": mb.extras["old_logprobs"].detach().clone(),
+                    "logp": _reference_logprobs(logits, mb.labels, cfg.model.vocab_size, cfg.rollout.temperature),
+                    "metrics": {k: float(v) for k, v in metrics.items()}})
+                return loss, metrics
+            return loss_fn
+        return factory
+
+    with (_spy(trainer, "train_step", train_step), _spy(trainer, "generate_groups", generate),
+          _spy(trainer, "build_rollout_batch", rollout_batch), _spy(trainer, "exgrpo_loss_fn", loss_factory)):
+        assert trainer.run_training(cfg) == 0
+    return {"steps": steps, "metrics": _metrics(cfg.logging.run_dir)}
+
+
+def _check_spliced(rec: dict) -> int:
+    """Every experience group ends with the drawn pool trajectory, marked replay in the batch; returns
+    the number of replay groups."""
+    drawn = {qid: (ids, lps) for qid, ids, lps, in_pool in rec["choices"] if in_pool}
+    assert len(drawn) == len(rec["choices"]), "a drawn trajectory is not stored in the pool"
+    batch, n_replay = rec["batch"], 0
+    replay_rows = [i for i, rep in enumerate(batch.is_replay) if rep]
+    for g, ((qid, ids, lps), samples) in enumerate(zip(rec["groups"], rec["samples"], strict=True)):
+        rows = [i for i, gi in enumerate(batch.group_index) if gi == g]
+        assert len(samples) == len(rows) == K
+        if ids is None:
+            assert not any(rep for _, _, rep in samples) and not any(batch.is_replay[i] for i in rows)
+            continue
+        n_replay += 1
+        assert np.array_equal(drawn[qid][0], ids) and np.array_equal(drawn[qid][1], np.float32(lps))
+        *fresh, (resp, resp_lps, is_rep) = samples
+        assert is_rep and resp == ids and resp_lps == pytest.approx(lps, abs=0) and not any(f[2] for f in fresh)
+        last = rows[-1]
+        assert batch.is_replay[last] and not any(batch.is_replay[i] for i in rows[:-1])
+        assert batch.sequences[last][batch.prompt_lengths[last]:] == ids
+        assert torch.equal(batch.gen_logprobs[last], torch.tensor(lps, dtype=torch.float32))
+    assert len(replay_rows) == n_replay
+    return n_replay
+
+
+def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = False) -> dict[str, float]:
+    """float64 sums of one micro-batch (mixed phase): fresh -A*rho, rho = exp(logp - old); replay
+    -A*f(w), w = exp(logp - recorded behaviour logp), f(w) = w / (w + beta). With replay_as_on_policy the
+    replay rows get the fresh formula (what a trainer that ignored is_replay would compute)."""
+    out = dict(pg_sum=0.0, w_sum=0.0, f_sum=0.0, w_max=0.0, replay_tokens=0.0, tokens=0.0)
+    for b, i in enumerate(call["rows"]):
+        p, n = batch.prompt_lengths[i], batch.response_lengths[i]
+        span = slice(p - 1, p - 1 + n)
+        assert call["mask"][b, span].all() and int(call["mask"][b].sum()) == n
+        logp, adv = call["logp"][b, span], batch.advantages[i]
+        out["tokens"] += n
+        if batch.is_replay[i] and not replay_as_on_policy:
+            w = torch.exp(logp - batch.gen_logprobs[i].double())
+            out["pg_sum"] += float((-adv * w / (w + beta)).sum())
+            out["w_sum"] += float(w.sum())
+            out["f_sum"] += float((w / (w + beta)).sum())
+            out["w_max"] = max(out["w_max"], float(w.max()))
+            out["replay_tokens"] += n
+        else:
+            out["pg_sum"] += float((-adv * torch.exp(logp - call["old"][b, span].double())).sum())
+    return out
+
+
+def test_mixed_phase_replays_stored_trajectories_through_policy_shaping(tmp_path, sft_dir):
+    run_dir = str(tmp_path / "replay")
+    got = run_on_ranks(_train_recording_replay, 1, args=(_replay_overrides(
+        run_dir, sft_dir, (f"logging.tensorboard={str(HAS_TENSORBOARD).lower()}", f"algo.shaping_beta={BETA}")),))[0]
+    logged = {m["step"]: m for m in got["metrics"]}
+    assert sorted(logged) == sorted(got["steps"]) == list(range(1, STEPS + 1))
+    replay_steps, informative = 0, 0
+    for step, rec in got["steps"].items():
+        m, batch = logged[step], rec["batch"]
+        assert all(key in m for key in REQUIRED_KEYS) and m["phase"] == "mixed"
+        n_replay = _check_spliced(rec)
+        assert m["experience/n_replayed"] == n_replay
+        assert all(c["kw"]["mixed_phase"] and c["kw"]["shaping_beta"] == BETA for c in rec["calls"])
+        refs = [_reference_loss(c, batch, BETA) for c in rec["calls"]]
+        policy_loss = sum(r["pg_sum"] / c["kw"]["pg_normaliser"] for r, c in zip(refs, rec["calls"], strict=True))
+        for r, c in zip(refs, rec["calls"], strict=True):  # each micro-batch's loss is the reference
+            assert c["metrics"]["pg_loss"] * c["kw"]["pg_normaliser"] == pytest.approx(r["pg_sum"], rel=REL, abs=ABS)
+        assert m["loss/policy"] == pytest.approx(policy_loss, rel=REL, abs=ABS)
+        total = {k: (max if k == "w_max" else sum)(r[k] for r in refs) for k in refs[0]}
+        assert total["tokens"] == sum(batch.response_lengths)  # every row trained once (in one of the 2 updates)
+        if n_replay == 0:
+            assert m["replay/token_fraction"] == 0.0 and m["replay/is_weight_mean"] == 0.0
+            continue
+        replay_steps += 1
+        assert m["replay/token_fraction"] == pytest.approx(total["replay_tokens"] / total["tokens"], rel=1e-12)
+        assert m["replay/is_weight_mean"] == pytest.approx(total["w_sum"] / total["replay_tokens"], rel=REL)
+        assert m["replay/shaped_weight_mean"] == pytest.approx(total["f_sum"] / total["replay_tokens"], rel=REL)
+        assert m["replay/is_weight_max"] == pytest.approx(total["w_max"], rel=REL)
+        # the same rows as on-policy rows: a clearly different loss (replay advantages are not all zero)
+        on_policy = sum(_reference_loss(c, batch, BETA, replay_as_on_policy=True)["pg_sum"] / c["kw"]["pg_normaliser"]
+                        for c in rec["calls"])
+        if any(batch.advantages[i] != 0 for i, rep in enumerate(batch.is_replay) if rep):
+            informative += 1
+            tolerance = REL * abs(policy_loss) + ABS  # what the reference had to match within
+            assert abs(on_policy - m["loss/policy"]) > 100 * tolerance, (step, on_policy, m["loss/policy"])
+    assert replay_steps >= 2 and informative >= 1, (replay_steps, informative)
+    if HAS_TENSORBOARD:  # an optional extra: without it the run logs metrics.jsonl only
+        _check_tensorboard(run_dir, got["metrics"])
+
+
+def _check_tensorboard(run_dir: str, records: list[dict]) -> None:
+    """TensorBoard holds every numeric metrics.jsonl scalar at every step."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    assert glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))
+    acc = ea.EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    numeric = {k for r in records for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
+    assert numeric <= tags, numeric - tags
+    for key in numeric:
+        tb = {e.step: e.value for e in acc.Scalars(key)}
+        for r in records:
+            assert tb[r["step"]] == pytest.approx(r[key], rel=1e-6, abs=1e-6), (key, r["step"])
