@@ -15,6 +15,7 @@ then ``\\boxed{answer}``, e.g. ``"4*5=20, 3+20=23</think>\\boxed{23}"``; the gra
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,6 +60,12 @@ def make_arithmetic_dataset(n: int, seed: int, tiers: Sequence[int] = ALL_TIERS)
         value, _ = evaluate_with_steps(expression)
         out.append((expression + QUESTION_SUFFIX, str(value), int(tier)))
     return out
+
+
+def task_fingerprint() -> str:
+    """Short digest of the task's definition (a fixed sample of every tier), for cache keys."""
+    sample = make_arithmetic_dataset(64, seed=0)
+    return hashlib.sha256(repr(sample).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------------------- evaluation

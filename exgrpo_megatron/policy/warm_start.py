@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from exgrpo_megatron.config.schema import RootConfig
-from exgrpo_megatron.data.synthetic import warm_start_examples
+from exgrpo_megatron.data.synthetic import task_fingerprint, warm_start_examples
 from exgrpo_megatron.data.tokenizer import Tokenizer
 from exgrpo_megatron.policy.batch import collate, plan_micro_batches
 from exgrpo_megatron.policy.objective import mask_vocab_padding
@@ -30,9 +30,11 @@ SFT_BATCH = 64
 
 
 def cache_key(cfg: RootConfig) -> str:
+    """Digest of everything that determines the warm-start weights, the task's definition included
+    (a changed tier in data/synthetic.py must not reuse weights trained on the old task)."""
     parts = {"model": asdict(cfg.model), "steps": cfg.trainer.sft_warm_start_steps,
              "lr": cfg.trainer.sft_warm_start_lr, "seed": cfg.seed, "template": cfg.data.template,
-             "n": cfg.data.num_train_examples}
+             "n": cfg.data.num_train_examples, "batch": SFT_BATCH, "task": task_fingerprint()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
