@@ -334,3 +334,14 @@ def test_splice_replay_layout():
     with pytest.raises(ValueError):
         splice_replay(fresh, [1, 2], [7, 8], [-1.0])
     assert math.isclose(sum(replay.logprobs), -6.0)
+
+
+def test_generate_requests_are_checked_the_same_way_for_every_engine():
+    from exgrpo_megatron.rollout.types import request_seeds_for
+
+    assert request_seeds_for([[1], [2, 3]], 2, None) == [0, 1]
+    assert request_seeds_for([[1], [2, 3]], 1, [7, 9]) == [7, 9]
+    for prompts, n, seeds, message in (([[1]], 0, None, "n must be"), ([[1], []], 1, None, "empty prompt"),
+                                       ([[1], [2]], 1, [5], "1 request seeds for 2 prompts")):
+        with pytest.raises(ValueError, match=message):
+            request_seeds_for(prompts, n, seeds)

@@ -55,7 +55,7 @@ from exgrpo_megatron.rollout.sampling import (
     stop_window_tokens,
     uniform,
 )
-from exgrpo_megatron.rollout.types import FinishReason, Sample, SamplingParams, TextDecoder
+from exgrpo_megatron.rollout.types import FinishReason, Sample, SamplingParams, TextDecoder, request_seeds_for
 
 Row = tuple[int, int, int]  # (prompt index, sample index, row seed)
 
@@ -181,15 +181,9 @@ class MegatronRolloutEngine:
         params: SamplingParams,
         request_seeds: list[int] | None = None,
     ) -> list[list[Sample]]:
-        if n < 1:
-            raise ValueError("n must be >= 1")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
+        seeds = request_seeds_for(prompts, n, request_seeds)
         if params.stop_strings and self.decode is None:
             raise ValueError("stop_strings need a tokenizer with decode()")
-        seeds = list(range(len(prompts))) if request_seeds is None else list(request_seeds)
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} request seeds for {len(prompts)} prompts")
         start = time.perf_counter()
         rows = [(i, j, row_seed(params.seed, seeds[i], j)) for i in range(len(prompts)) for j in range(n)]
         chunks = plan_chunks([len(p) for p in prompts], rows, self.max_batch_sequences, self.pad_free_batches)

@@ -60,6 +60,19 @@ class Sample:
             raise ValueError(f"{len(self.logprobs)} log-probs for {len(self.response_ids)} response tokens")
 
 
+def request_seeds_for(prompts: list[list[int]], n: int, request_seeds: list[int] | None) -> list[int]:
+    """Check a `generate()` call's requests (n >= 1, no empty prompt, one seed per prompt) and return the
+    per-request seeds; by default request i's seed is i. Shared by every engine."""
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    seeds = list(range(len(prompts))) if request_seeds is None else list(request_seeds)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} request seeds for {len(prompts)} prompts")
+    return seeds
+
+
 class TextDecoder(Protocol):
     """What the engines need from a tokenizer: decoding (for stop strings) and the EOS id."""
 

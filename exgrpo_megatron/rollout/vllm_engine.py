@@ -40,7 +40,7 @@ import torch.distributed as dist
 from exgrpo_megatron.rollout.megatron_engine import unwrap_model
 from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
 from exgrpo_megatron.rollout.sampling import row_seed
-from exgrpo_megatron.rollout.types import FinishReason, Sample, SamplingParams
+from exgrpo_megatron.rollout.types import FinishReason, Sample, SamplingParams, request_seeds_for
 
 
 def finish_reason_from_vllm(finish_reason: str | None, stop_reason: int | str | None) -> FinishReason:
@@ -134,7 +134,7 @@ class VLLMRolloutEngine:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
-        seeds = list(range(len(prompts))) if request_seeds is None else list(request_seeds)
+        seeds = request_seeds_for(prompts, n, request_seeds)
         start = time.perf_counter()
         pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
         mine = list(range(len(prompts)))[pp_rank::pp]
