@@ -13,8 +13,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -38,8 +36,8 @@ from exgrpo_megatron.checkpoint import (
 from exgrpo_megatron.checkpoint import layout as L
 from tests.checkpoint_worker import TINY, build_tiny_trainer, full_weights, synthetic_pool_shard, train_step
 from tests.helpers.multirank import free_port, run_on_ranks
+from tests.helpers.rank_processes import log_tail, reap, start_rank_process
 
-REPO = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 1e-6
 
 
@@ -309,38 +307,17 @@ def test_errors_retention_and_latest_pointer(tmp_path):
         resolve_resume(run_dir, str(ckpt_dir / ".tmp_step_00000009"))
 
 
-def _script_env(rank: int, world: int, port: int) -> dict:
-    return os.environ | {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-
-
 def _start_script(mode: str, run_dir: Path, rank: int = 0, world: int = 1, port: int | None = None):
-    """Start the worker in its own session, output to files (a pipe would be held open by the
-    multiprocessing helpers dist_checkpointing starts, which outlive a SIGKILLed parent)."""
-    log = open(run_dir / f"{mode}_{rank}.log", "w")  # noqa: SIM115 - closed by _finish
-    proc = subprocess.Popen([sys.executable, "-m", "tests.checkpoint_worker", mode, str(run_dir)], cwd=REPO,
-                            env=_script_env(rank, world, port or free_port()), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    proc.log_path = Path(log.name)
-    log.close()
-    return proc
+    return start_rank_process(["-m", "tests.checkpoint_worker", mode, str(run_dir)], run_dir / f"{mode}_{rank}.log",
+                              rank, world, port or free_port())
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 400) -> int:
-    """Wait for the worker, then kill whatever it left behind in its session (its process group)."""
-    try:
-        code = proc.wait(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return code
+def _finish(proc, timeout: float = 400) -> int:
+    return reap(proc, timeout)
 
 
 def _tail(proc) -> str:
-    return proc.log_path.read_text()[-3000:]
+    return log_tail([proc], 3000)
 
 
 def test_sigkill_mid_save_leaves_previous_checkpoint_loadable(tmp_path):

@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -34,8 +33,8 @@ from exgrpo_megatron.checkpoint.checkpointer import POOL_MANIFEST_FILE, read_roo
 from exgrpo_megatron.checkpoint.pool_io import read_pool_shards
 from exgrpo_megatron.logging import read_metrics
 from tests.helpers.multirank import free_port
+from tests.helpers.rank_processes import log_tail, reap, start_rank_process
 
-REPO = Path(__file__).resolve().parents[1]
 N_STEPS = 6
 TIMEOUT_S = 400
 
@@ -66,41 +65,19 @@ def _overrides(data_file: str, total_steps: int, tp: int = 1, pp: int = 1, extra
 
 def _launch(run_dir: Path, overrides: list[str], world: int = 1, worker_args: tuple[str, ...] = (),
             tag: str = "run") -> list[subprocess.Popen]:
-    """One worker process per rank, each in its own session (so its helpers can be killed with it),
-    output to run_dir/<tag>_<rank>.log."""
+    """One worker process per rank (see tests/helpers/rank_processes.py), output to run_dir/<tag>_<rank>.log."""
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    procs = []
-    for rank in range(world):
-        env = os.environ | {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        log_path = run_dir / f"{tag}_{rank}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.trainer_resume_worker", str(run_dir), *worker_args, "--", *overrides],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        proc.log_path = log_path
-        procs.append(proc)
-    return procs
+    args = ["-m", "tests.trainer_resume_worker", str(run_dir), *worker_args, "--", *overrides]
+    return [start_rank_process(args, run_dir / f"{tag}_{rank}.log", rank, world, port) for rank in range(world)]
 
 
 def _finish(procs: list[subprocess.Popen]) -> list[int]:
-    """Wait for every rank, then kill what each left behind in its session."""
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=TIMEOUT_S))
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    return codes
+    return [reap(proc, TIMEOUT_S) for proc in procs]
 
 
 def _logs(procs: list[subprocess.Popen]) -> str:
-    return "\n".join(p.log_path.read_text()[-4000:] for p in procs)
+    return log_tail(procs, 4000)
 
 
 def _train(run_dir: Path, overrides: list[str], world: int = 1, worker_args: tuple[str, ...] = (),

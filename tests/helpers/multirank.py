@@ -25,10 +25,9 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )
+    from tests.helpers.rank_processes import rank_env
+
+    os.environ.update(rank_env(rank, world_size, port))
     import warnings
 
     import torch
