@@ -44,8 +44,10 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
     cfg, t, r, a = c.cfg, c.cfg.trainer, c.cfg.rollout, c.cfg.algo
     totals = StepTotals(c.layout)
     t0 = time.perf_counter()
-    replay_on = c.switch.is_on and c.pool is not None and state.collected_once
-    mixed_phase = c.switch.is_on
+    # Without a pool (trainer.experience=false: on-policy GRPO) there is no mixed phase: the fresh tokens keep
+    # the PPO clip of the warm-up for the whole run, as the on-policy Dr.GRPO baseline does.
+    mixed_phase = c.switch.is_on and c.pool is not None
+    replay_on = mixed_phase and state.collected_once
     scorer = make_scorer(c.policy, cfg.trainer.micro_batch_max_tokens, c.train_data)
     # 1. compose the global batch; this rank takes its share
     groups = compose_step(c.train_data, c.sampler, c.pool, replay_on=replay_on, batch_size=t.train_batch_size,

@@ -308,3 +308,35 @@ def _check_tensorboard(run_dir: str, records: list[dict]) -> None:
         tb = {e.step: e.value for e in acc.Scalars(key)}
         for r in records:
             assert tb[r["step"]] == pytest.approx(r[key], rel=1e-6, abs=1e-6), (key, r["step"])
+
+
+def _train_recording_loss_phase(overrides: list[str]) -> dict:
+    """run_training (DP=1), recording the mixed_phase argument of every loss the trainer builds."""
+    import exgrpo_megatron.trainer as trainer
+
+    cfg = load_config("demo_cpu", overrides)
+    phases: list[bool] = []
+
+    def record(original):
+        def wrapper(**kw):
+            phases.append(kw["mixed_phase"])
+            return original(**kw)
+        return wrapper
+
+    with _spy(trainer, "exgrpo_loss_fn", record):
+        assert trainer.run_training(cfg) == 0
+    return {"phases": phases, "metrics": _metrics(cfg.logging.run_dir)}
+
+
+def test_on_policy_grpo_keeps_the_warmup_clip(tmp_path, sft_dir):
+    """trainer.experience=false is on-policy GRPO: no pool and no mixed phase, so every update keeps the PPO clip,
+    even with the delayed-start criterion met from step 1 (start_sratio=0 in _overrides)."""
+    got = run_on_ranks(_train_recording_loss_phase, 1, args=(_replay_overrides(
+        str(tmp_path / "grpo"), sft_dir, ("trainer.experience=false", "trainer.total_steps=2", "optim.lr=1e-2",
+                                          "optim.adam_eps=1e-8")),))[0]
+    assert got["phases"] and not any(got["phases"])
+    rows = got["metrics"]
+    assert [r["phase"] for r in rows] == ["warmup", "warmup"] and "experience/questions" not in rows[0]
+    assert all(r["experience/n_replayed"] == 0 for r in rows)
+    assert 0 < max(r["reward/mean"] for r in rows) < 1  # some groups have non-zero advantages ...
+    assert max(r["loss/clip_fraction"] for r in rows) > 0  # ... and the clip acts (mixed mode reports 0)
