@@ -269,18 +269,10 @@ def test_arithmetic_dataset_deterministic_spread_and_correct():
         assert tok.unk_token_id not in tok.encode(question)
         expression = question.removesuffix("=?")
         assert answer == str(int(eval(expression, {"__builtins__": {}})))  # independent reference
-        if tier == 0:
-            assert re.fullmatch(r"\d\+\d", expression)
-        elif tier == 1:
-            assert re.fullmatch(r"\d\d[+-]\d\d", expression)
-        elif tier == 2:
-            assert re.fullmatch(r"\d\*\d", expression)
-        else:
-            assert re.fullmatch(r"\d\+\d\*\d|\(\d\+\d\)\*\d", expression)
-    t1_ops = {q[2] for q, _, t in data if t == 1}
-    t3_forms = {q.startswith("(") for q, _, t in data if t == 3}
-    assert t1_ops == {"+", "-"} and t3_forms == {True, False}
+        pattern = {0: r"\d\+\d", 1: r"\d-\d", 2: r"\d\*\d", 3: r"\d\+\d\+\d"}[tier]
+        assert re.fullmatch(pattern, expression), (tier, expression)
     assert any(a.startswith("-") for _, a, _ in data)
+    assert len({q for q, _, t in data if t == 3}) > 80  # tier 3 is not a handful of repeats
     assert {t for _, _, t in make_arithmetic_dataset(30, seed=1, tiers=(2,))} == {2}
 
 
@@ -317,7 +309,7 @@ def test_build_arithmetic_prompt_dataset():
         ex = ds[qid]
         assert (ex.question, ex.answer, ex.data_source) == (question, answer, f"arithmetic/tier{tier}")
         assert ex.prompt_ids == tok.encode(question + "\n<think>\n")
-    # A tight limit filters and counts the long (tier 1 / tier 3) prompts.
+    # A tight limit filters and counts the long (tier 3) prompts.
     tight = build_arithmetic_prompt_dataset(64, seed=3, tokenizer=tok, max_prompt_length=8)
     n_long = sum(len(q) + 3 > 8 for q, _, _ in triples)
     assert n_long > 0 and tight.stats.num_too_long == n_long and len(tight) == 64 - n_long

@@ -1,16 +1,23 @@
-"""The built-in verifiable task of the CPU demo: integer arithmetic in difficulty tiers.
+"""The built-in verifiable task of the CPU demo: integer arithmetic in four tiers, one-digit operands.
 
 Tiers (so that a small model's questions spread over the correctness buckets 0..K):
-* 0: ``a+b`` with one-digit operands;
-* 1: ``a+b`` or ``a-b`` with two-digit operands (answers may be negative);
-* 2: ``a*b`` with one-digit operands;
-* 3: ``a+b*c`` or ``(a+b)*c`` with one-digit operands (two steps).
+* 0: ``a+b``;
+* 1: ``a-b`` (answers may be negative);
+* 2: ``a*b``;
+* 3: ``a+b+c`` (two steps, ``"a+b=s, s+c=t"``; 1000 distinct questions, the others have 100).
+
+Every tier is within reach of the demo's small model (4 layers, width 128): after the short warm start it
+solves each tier sometimes, and RL raises all four. Two-digit operands and two-step products (``a+b*c``,
+``(a+b)*c``, the earlier tiers 1 and 3) stayed at 0-2% and 4-7% accuracy (temperature 1) after 80-100 RL steps, so a
+quarter to a half of every batch carried no learning signal (all-wrong groups have zero advantage).
 
 A question is ``"<expression>=?"`` (digits, ``+ - * ( ) = ?`` only, all in the CharTokenizer vocabulary); the
 gold answer is the integer value as a string. :func:`solution_text` writes the short worked response that
 follows the ``plain`` template's prompt (``"{question}\\n<think>\\n"``): the evaluation steps, ``</think>``,
-then ``\\boxed{answer}``, e.g. ``"4*5=20, 3+20=23</think>\\boxed{23}"``; the grader prepends ``"<think>\\n"``
-(algorithm reference §4.3) and scores it 1.0. It is the supervised warm-start corpus of the demo.
+then ``\\boxed{answer}``, e.g. ``"3+4=7, 7+5=12</think>\\boxed{12}"``; the grader prepends ``"<think>\\n"``
+(algorithm reference §4.3) and scores it 1.0. It is the supervised warm-start corpus of the demo. The parser
+(:func:`evaluate_with_steps`) also handles parentheses and longer expressions, for other uses of
+:func:`solution_text`.
 """
 
 from __future__ import annotations
@@ -30,19 +37,11 @@ STEP_SEPARATOR = ", "
 
 def _tier_expression(tier: int, rng: np.random.Generator) -> str:
     """One random expression of ``tier`` (see module doc)."""
-    if tier == 0:
-        a, b = rng.integers(0, 10, size=2)
-        return f"{a}+{b}"
-    if tier == 1:
-        a, b = rng.integers(10, 100, size=2)
-        return f"{a}{'+' if rng.random() < 0.5 else '-'}{b}"
-    if tier == 2:
-        a, b = rng.integers(0, 10, size=2)
-        return f"{a}*{b}"
-    if tier == 3:
-        a, b, c = rng.integers(1, 10, size=3)
-        return f"{a}+{b}*{c}" if rng.random() < 0.5 else f"({a}+{b})*{c}"
-    raise ValueError(f"unknown arithmetic tier {tier}; expected one of {ALL_TIERS}")
+    if tier not in ALL_TIERS:
+        raise ValueError(f"unknown arithmetic tier {tier}; expected one of {ALL_TIERS}")
+    operands = rng.integers(0, 10, size=3 if tier == 3 else 2)
+    op = {0: "+", 1: "-", 2: "*", 3: "+"}[tier]
+    return op.join(str(x) for x in operands)
 
 
 def make_arithmetic_dataset(n: int, seed: int, tiers: Sequence[int] = ALL_TIERS) -> list[tuple[str, str, int]]:
