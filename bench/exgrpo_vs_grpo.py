@@ -18,8 +18,9 @@ Reported per arm (mean +- sample std over seeds, ddof=1):
   "never" when it is not reached (counted as missing, not averaged);
 * the demo criterion: mean ``reward/mean`` over the last 10 steps minus the first 10.
 
-Run: ``.venv/bin/python bench/exgrpo_vs_grpo.py [--seeds 1234 1235 1236] [--jobs 2]``
-(writes bench/results/exgrpo_vs_grpo.json and .png; runs under runs/bench_exgrpo_vs_grpo/).
+Run: ``.venv/bin/python bench/exgrpo_vs_grpo.py [--seeds 1234 1235 1236] [--jobs 2] [--arms grpo]``
+(writes bench/results/exgrpo_vs_grpo.json and .png; runs under runs/bench_exgrpo_vs_grpo/; ``--arms`` re-runs
+only some arms and analyses the existing run dirs of the others).
 """
 
 from __future__ import annotations
@@ -257,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threshold", type=float, default=0.4, help="reward level for steps-to-threshold")
     p.add_argument("--val-examples", type=int, default=256, help="held-out questions (both arms)")
     p.add_argument("--override", nargs="*", default=[], help="extra hydra overrides for both arms")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+                   help="arms to (re)run; the analysis reads every arm's existing run dirs")
     p.add_argument("--analyse-only", action="store_true", help="skip training; read the existing run dirs")
     p.add_argument("--out-json", default=RESULTS_JSON)
     p.add_argument("--out-png", default=RESULTS_PNG)
@@ -265,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, REPO)
 
     jobs = build_jobs(args)
+    to_run = [j for j in jobs if j.arm in args.arms]  # a job waits only for runs that are in this list
     load_before, t0 = os.getloadavg(), time.perf_counter()
     if not args.analyse_only:
-        run_jobs(jobs, args.jobs, args.threads)
+        run_jobs(to_run, args.jobs, args.threads)
     total_s, load_after = time.perf_counter() - t0, os.getloadavg()
     failed = [j for j in jobs if j.rc not in (0, None)]
     all_runs: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}
