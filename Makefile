@@ -24,6 +24,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m exgrpo_megatron.train --config-name demo_cpu
+	$(PY) tools/plot_run.py runs/demo_cpu
 
 test: $(STAMP)
 	$(PY) -m ruff check exgrpo_megatron tests tools bench
