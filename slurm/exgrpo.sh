@@ -133,7 +133,7 @@ srun_pid=$!
 # reaches the batch shell only on scancel, preemption or the hard time limit: then the job is not
 # requeued by this script (Slurm itself requeues preempted jobs, --requeue).
 terminated=0
-# shellcheck disable=SC2317  # reached through the traps below
+# shellcheck disable=SC2317,SC2329  # reached through the traps below
 forward_signal() { kill -s "$1" "$srun_pid" 2>/dev/null || true; }
 trap 'forward_signal USR1' USR1
 trap 'terminated=1; forward_signal TERM' TERM
