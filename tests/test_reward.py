@@ -206,20 +206,28 @@ def test_preemption_signals_to_the_whole_job_leave_the_pool_working():
 
 
 def test_worker_killed_while_grading_is_replaced_and_counted():
-    with GraderPool(num_workers=2, timeout_seconds=1, hard_deadline_seconds=10.0) as grader_pool:
+    """Killed in the middle of a grading call, at a point fixed by the worker's own progress counter (not by a
+    sleep): its chunk is [normal, slow, normal...] and a worker grades a chunk's items back to back, so once it
+    reports 1 item done it is inside the slow item's Math-Verify call, which lasts the full 3 s timeout. The
+    normal items get the same 3 s, far above their milliseconds even on a loaded machine."""
+    with GraderPool(num_workers=1, timeout_seconds=3, hard_deadline_seconds=60.0) as grader_pool:
         grader_pool.wait_ready()
-        # Idle workers are served first, so the victim starts on a ~1 s item: it is busy when killed.
-        slow = [("</think> \\boxed{9^{9^{9^{9}}}}", "3", True)] * 2
-        normal = [(f"</think> \\boxed{{{i}/7}}", f"\\frac{{{i}}}{{7}}", True) for i in range(1, 15)]
-        handle = grader_pool.submit(slow + normal)
-        time.sleep(0.3)
+        slow = ("</think> \\boxed{9^{9^{9^{9}}}}", "3", True)  # Math-Verify times out on it: reward 0
+        normal = [(f"</think> \\boxed{{{i}/7}}", f"\\frac{{{i}}}{{7}}", True) for i in range(1, 8)]
+        handle = grader_pool.submit([normal[0], slow, *normal[1:]])
         victim = grader_pool.worker_pids()[0]
+        end = time.monotonic() + 60.0
+        while grader_pool.items_graded()[0] < 1:  # the event: the first item is done, the slow one is running
+            assert time.monotonic() < end, "the worker never finished its first item"
+            time.sleep(0.001)
         os.kill(victim, signal.SIGKILL)
         result = grader_pool.result(handle)
+        # The slow item is retried once on the replacement (it may have died before reading it) and times out
+        # there too; the items queued behind it go to the replacement: every reward is what it would have been.
+        assert result.rewards == [1.0, 0.0] + [1.0] * (len(normal) - 1)
         assert result.n_worker_deaths == 1 and result.n_timeouts_killed == 0
-        assert result.rewards == [0.0, 0.0] + [1.0] * len(normal)
         assert victim not in grader_pool.worker_pids()
-        assert grader_pool.total_worker_deaths == 1
+        assert grader_pool.total_worker_deaths == 1 and grader_pool.total_timeouts_killed == 0
 
 
 def test_items_held_by_a_killed_worker_are_regraded():

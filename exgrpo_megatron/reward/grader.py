@@ -195,6 +195,12 @@ class GraderPool:
         with self._lock:
             return [int(w.process.pid) for w in self._workers]
 
+    def items_graded(self) -> list[int]:
+        """Items each current worker has finished since it started (its shared progress counter, read without
+        a message; tests use it to act at a known point of a worker's chunk)."""
+        with self._lock:
+            return [int(w.record[DONE]) for w in self._workers]
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until every current worker has started and imported Math-Verify (optional warm-up)."""
         end = time.monotonic() + timeout
