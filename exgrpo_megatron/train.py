@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(dry_run_report(cfg, world_size))
         return 0
+    from exgrpo_megatron.distributed import cpu_shims
+
+    cpu_shims.apply()  # before megatron-core is imported: its known CPU warnings are filtered (no-op on GPU)
     from exgrpo_megatron.trainer import run_training
 
     return run_training(cfg)

@@ -21,6 +21,7 @@ from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import compose_step, local_groups
 from exgrpo_megatron.distributed.runtime import init_distributed
 from exgrpo_megatron.experience.types import GroupOutcome
+from exgrpo_megatron.logging.startup import startup_block
 from exgrpo_megatron.policy.objective import exgrpo_loss_fn
 from exgrpo_megatron.policy.policy import updates_per_step
 from exgrpo_megatron.policy.scoring import make_scorer
@@ -140,6 +141,8 @@ def run_training(cfg: RootConfig) -> int:
     p = cfg.parallel
     layout = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                               p.virtual_pipeline_model_parallel_size, p.context_parallel_size, seed=cfg.seed)
+    if layout.rank == 0:
+        print(startup_block(cfg, layout), flush=True)
     c = build_components(cfg, layout)
     state = RunState.start(c)
     try:

@@ -3,7 +3,9 @@
 `apply()` is a no-op when CUDA is available, so the same code runs Transformer Engine and NCCL on
 GPU. On CPU it must run before megatron-core's inference modules are imported (one of them imports
 `torch.cuda.nvtx` at import time). Each shim names the first failure seen without it
-(see shared/docs/megatron_cpu.md, section 2).
+(see shared/docs/megatron_cpu.md, section 2). It also filters megatron-core's known-harmless CPU
+warnings (`cpu_warnings`), so call it before importing megatron-core modules (the trainer is imported
+after it in `train.main`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import logging
 import time
 
 import torch
+
+from exgrpo_megatron.distributed.cpu_warnings import filter_known_cpu_warnings
 
 _APPLIED = False
 
@@ -68,6 +72,7 @@ def apply() -> bool:
     if _APPLIED:
         return True
     _APPLIED = True
+    filter_known_cpu_warnings()  # megatron-core's "Apex/TE not installed" fallbacks are the CPU path (module doc)
 
     # RoPE moves inv_freq to torch.cuda.current_device() on every forward.
     torch.cuda.current_device = lambda: torch.device("cpu")

@@ -1,0 +1,21 @@
+"""The start-up block rank 0 prints once: what kind of run this is, where it writes, how it is laid out."""
+
+from __future__ import annotations
+
+from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.distributed.cpu_warnings import cpu_run_banner
+from exgrpo_megatron.distributed.runtime import ParallelLayout
+from exgrpo_megatron.model.builder import resolve_layer_spec
+
+PREFIX = "exgrpo-train: "
+
+
+def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
+    """A few lines: the CPU banner (CPU only), run dir, parallel layout, steps and validation."""
+    lines = [cpu_run_banner(resolve_layer_spec(cfg.model))] if layout.device.type == "cpu" else []
+    t = cfg.trainer
+    lines.append(f"run dir {cfg.logging.run_dir}; layout TP={layout.tp_size} PP={layout.pp_size} "
+                 f"DP={layout.dp_size} (world {layout.world_size}, {layout.device.type})")
+    val = f"validation avg@{t.val_n} every {t.val_every} steps" if t.val_every else "no validation"
+    lines.append(f"{t.total_steps} steps of {t.train_batch_size} prompts x {cfg.rollout.n} rollouts; {val}")
+    return "\n".join(PREFIX + line for line in lines)
