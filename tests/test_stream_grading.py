@@ -126,3 +126,42 @@ def test_chunks_are_graded_while_the_next_chunk_generates_with_identical_results
     assert got["streamed"] == got["one_shot"]  # bit-identical samples (same engine batches)
     assert got["streamed_rewards"] == got["one_shot_rewards"]  # same rewards, same order
     assert got["streamed"][2][-1][2] and got["streamed_rewards"][2 * K + K - 1] == 1.0  # the spliced correct replay
+
+
+def _validation_stream_vs_after() -> dict:
+    """In-training validation (evaluation_loop.validation_rewards) against the pre-streaming order: generate every
+    group, then grade them all (what validate_accuracy did before)."""
+    from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
+    from exgrpo_megatron.data.tokenizer import load_tokenizer
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.evaluation_loop import validation_rewards
+    from exgrpo_megatron.model.builder import build_gpt_model
+    from exgrpo_megatron.reward.grader import GraderPool
+    from exgrpo_megatron.reward.rollout_rewards import submit_grading
+    from exgrpo_megatron.rollout.groups import generate_groups
+    from exgrpo_megatron.rollout.megatron_engine import MegatronRolloutEngine
+    from exgrpo_megatron.rollout.types import SamplingParams
+
+    init_distributed(seed=5)
+    tokenizer = load_tokenizer("char")
+    model = build_gpt_model(ModelConfig(vocab_size=103, make_vocab_size_divisible_by=64, num_layers=2, hidden_size=64,
+                                        ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                                        max_position_embeddings=128), ParallelConfig())
+    engine = MegatronRolloutEngine(model, tokenizer, vocab_size=103, max_batch_sequences=MAX_ROWS)
+    params = SamplingParams(max_new_tokens=10, temperature=0.6, seed=10_007)
+    groups = [g for g in _groups(tokenizer) if g.replay is None]  # validation has no replay
+    with GraderPool(num_workers=2, timeout_seconds=2, hard_deadline_seconds=20.0) as pool:
+        events: list[tuple[str, int]] = []
+        streamed = validation_rewards(_Recorder(engine, events), _Recorder(pool, events), tokenizer, groups, K,
+                                      params, require_think=False)
+        samples = generate_groups(_Recorder(engine, [], hide_batching=True), groups, K, params)
+        after = pool.result(submit_grading(pool, tokenizer, groups, samples, require_think=False)).rewards
+    return {"events": events, "streamed": streamed, "after": after}
+
+
+def test_validation_grades_while_generating_with_the_same_rewards():
+    got = run_on_ranks(_validation_stream_vs_after, 1)[0]
+    assert got["events"] == [("generate", 2), ("generated", 2), ("submit", 8),
+                             ("generate", 2), ("generated", 2), ("submit", 8),
+                             ("generate", 1), ("generated", 1), ("submit", 4)]
+    assert got["streamed"] == got["after"] and len(got["after"]) == 5 * K
