@@ -7,9 +7,14 @@ Protocol: sampling at temperature 0.6, top-p 1.0, up to 8192 new tokens; avg@k f
 identical in (data_source, question, gold) are ONE question (the reference test parquet repeats AIME/AMC
 rows 32 times so that n=1 sampling gives avg@32; here such a question gets k samples once).
 
-Grading of every generation: the boxed-answer grader (``reward.boxed``, the label that counts, as the
-reference's OAT grader) and Math-Verify (``reward.grader.score_response``) as a second opinion; both are
-recorded, disagreements counted. When the rendered prompt ends with ``<think>\\n`` (templates ``own`` and
+Benchmarks: the six in-distribution math ones and the paper's out-of-distribution multiple-choice ones
+(``arc_c``, ``gpqa_diamond``, ``mmlu_pro``: ``reward.multiple_choice``), told apart by ``data_source``; the
+table lists math first, then OOD, then the paper's averages (avg ID, avg OOD, avg all).
+
+Grading of every generation (``reward.benchmark_grading``, in worker processes while the next engine call
+generates): the boxed grader (``reward.boxed``, the label that counts, as the reference's OAT grader; for a
+multiple-choice row the boxed option letter) and Math-Verify as a second opinion; both are recorded,
+disagreements counted. When the rendered prompt ends with ``<think>\\n`` (templates ``own`` and
 ``plain``; ``chat`` only if the tokenizer's template adds it) a response without ``</think>`` is wrong under
 both, and only the text after ``</think>`` is graded (the reference rule).
 
@@ -25,6 +30,7 @@ Outputs: ``<out>/generations.jsonl`` (one line per generation) and ``<out>/summa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,8 +39,11 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading, combine_labels, grade_generation  # noqa: F401
+from exgrpo_megatron.reward.multiple_choice import is_multiple_choice
 from exgrpo_megatron.reward.templates import TEMPLATES
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
 
@@ -63,23 +72,6 @@ def metric_name(k: int) -> str:
     return "pass@1" if k == 1 else f"avg@{k}"
 
 
-def combine_labels(boxed_correct: bool, math_verify_correct: bool) -> tuple[bool, bool]:
-    """(label, disagreement): the boxed grader decides; a different Math-Verify verdict is a disagreement."""
-    return boxed_correct, boxed_correct != math_verify_correct
-
-
-def grade_generation(response: str, gold: str, require_think: bool, timeout_seconds: int = 5) -> dict:
-    """Both graders' verdicts on one response, and the combined label."""
-    from exgrpo_megatron.reward.boxed import grade_boxed
-    from exgrpo_megatron.reward.grader import score_response
-
-    boxed = grade_boxed(response, gold, require_think, timeout_seconds)
-    math_verify = score_response(response, gold, require_think, timeout_seconds) == 1.0
-    correct, disagree = combine_labels(boxed.correct, math_verify)
-    return {"boxed_answer": boxed.prediction, "boxed_correct": boxed.correct, "math_verify_correct": math_verify,
-            "correct": correct, "disagree": disagree}
-
-
 def aggregate(records: Sequence[dict]) -> dict[str, dict]:
     """Per-benchmark metrics from generation records (keys ``data_source``, ``question_index``, ``correct``,
     ``math_verify_correct``, ``boxed_correct``, ``disagree``; optional ``finish_reason``): see module docstring."""
@@ -87,7 +79,7 @@ def aggregate(records: Sequence[dict]) -> dict[str, dict]:
     for rec in records:
         by_source.setdefault(rec["data_source"], {}).setdefault(rec["question_index"], []).append(rec)
     table: dict[str, dict] = {}
-    for source in sorted(by_source):
+    for source in sorted(by_source, key=lambda s: (is_multiple_choice(s), s)):  # math (ID) first, then OOD
         questions = list(by_source[source].values())
         ks = sorted({len(q) for q in questions})
 
@@ -115,10 +107,18 @@ def format_table(table: dict[str, dict]) -> str:
         lines.append(f"{source or '<none>':16s} {row['metric']:>8s} {100 * row['accuracy']:7.2f} "
                      f"{100 * row['boxed_accuracy']:8.2f} {100 * row['math_verify_accuracy']:9.2f} "
                      f"{row['questions']:5d} {row['generations']:6d} {row['disagreements']:8d} {row['truncated']:6d}")
-    if table:
-        mean = sum(r["accuracy"] for r in table.values()) / len(table)
-        lines.append(f"{'mean':16s} {'':>8s} {100 * mean:7.2f}")
+    for name, value in averages(table).items():
+        lines.append(f"{name:16s} {'':>8s} {100 * value:7.2f}")
     return "\n".join(lines)
+
+
+def averages(table: dict[str, dict]) -> dict[str, float]:
+    """The paper's summary columns: the mean accuracy over the in-distribution (math) benchmarks, over the
+    out-of-distribution (multiple-choice) ones, and over all; each only when it has a benchmark."""
+    groups = {"avg ID (math)": [r["accuracy"] for s, r in table.items() if not is_multiple_choice(s)],
+              "avg OOD": [r["accuracy"] for s, r in table.items() if is_multiple_choice(s)],
+              "avg all": [r["accuracy"] for r in table.values()]}
+    return {name: sum(accs) / len(accs) for name, accs in groups.items() if accs}
 
 
 # ----------------------------------------------------------------------------------------- pipeline
@@ -144,6 +144,7 @@ class EvalSettings:
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     grade_timeout_seconds: int = 5
+    grade_workers: int = 2
     prompts_per_call: int = 64
 
 
@@ -164,13 +165,27 @@ def prompt_requires_think(prompt_text: str) -> bool:
 
 
 def evaluate_questions(questions: Sequence[Question], engine: RolloutEngine, tokenizer, settings: EvalSettings,
-                       jsonl_path: str | None = None, grade: bool = True) -> list[dict]:
+                       jsonl_path: str | None = None, grading: BenchmarkGrading | None = None) -> list[dict]:
     """Generate k samples per question (k by its data_source), grade them, append records to ``jsonl_path``.
 
-    Sample j of question q uses request seed q.index, so results do not depend on the batching. With
-    ``grade=False`` (non-zero ranks of a TP group) only the generation runs."""
+    Sample j of question q uses request seed q.index, so results do not depend on the batching. Each engine
+    call's responses go to ``grading`` at once and are graded while the next call generates; a call's records
+    are written when the next call has returned (the last ones at the end), in generation order. With
+    ``grading=None`` (non-zero ranks of a TP group) only the generation runs."""
     records: list[dict] = []
     sink = open(jsonl_path, "w", encoding="utf-8") if jsonl_path else None
+    pending: list[list[tuple[dict, Future]]] = []  # per engine call: records waiting for their verdicts
+
+    def finish(calls: list[list[tuple[dict, Future]]]) -> None:
+        for call in calls:
+            for rec, verdict in call:
+                rec.update(verdict.result())
+                records.append(rec)
+                if sink:
+                    sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        if sink:
+            sink.flush()
+
     try:
         by_k: dict[int, list[Question]] = {}
         for q in questions:
@@ -181,21 +196,20 @@ def evaluate_questions(questions: Sequence[Question], engine: RolloutEngine, tok
             for start in range(0, len(group), settings.prompts_per_call):
                 block = group[start:start + settings.prompts_per_call]
                 outputs = engine.generate([q.prompt_ids for q in block], k, params, [q.index for q in block])
-                if not grade:
+                if grading is None:
                     continue
+                call = []
                 for q, samples in zip(block, outputs, strict=True):
                     require_think = prompt_requires_think(tokenizer.decode(q.prompt_ids))
                     for j, sample in enumerate(samples):
                         response = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
                         rec = {"data_source": q.data_source, "question_index": q.index, "sample_index": j,
                                "qids": q.qids, "question": q.question, "gold": q.gold, "response": response,
-                               "finish_reason": sample.finish_reason, "response_tokens": len(sample.response_ids),
-                               **grade_generation(response, q.gold, require_think, settings.grade_timeout_seconds)}
-                        records.append(rec)
-                        if sink:
-                            sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                if sink:
-                    sink.flush()
+                               "finish_reason": sample.finish_reason, "response_tokens": len(sample.response_ids)}
+                        call.append((rec, grading.submit(response, q.gold, require_think, q.data_source, q.question)))
+                finish(pending)  # the previous call's verdicts, graded while this call generated
+                pending = [call]
+        finish(pending)
     finally:
         if sink:
             sink.close()
@@ -318,6 +332,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch-sequences", type=int, default=64)
     p.add_argument("--prompts-per-call", type=int, default=64)
     p.add_argument("--grade-timeout", type=int, default=5)
+    p.add_argument("--grade-workers", type=int, default=2, help="grading processes (grade while generating)")
     p.add_argument("--out", default="eval_results")
     p.add_argument("--keep-converted", action="store_true", help="keep <out>/converted_checkpoint of an HF model")
     return p.parse_args(argv)
@@ -338,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
 
     settings = EvalSettings(template=args.template, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, avg_k=parse_avg_k(args.avg_k), seed=args.seed,
-                            grade_timeout_seconds=args.grade_timeout, prompts_per_call=args.prompts_per_call)
+                            grade_timeout_seconds=args.grade_timeout, grade_workers=args.grade_workers,
+                            prompts_per_call=args.prompts_per_call)
     os.makedirs(args.out, exist_ok=True)
     model, cfg, hf_dir = load_policy(args.model, args.tp, args.out)
     tokenizer = load_eval_tokenizer(args.tokenizer, args.tokenizer_dir or hf_dir)
@@ -349,8 +365,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     engine = build_engine(args.engine, model, cfg, tokenizer, hf_dir, args.max_batch_sequences)
     is_writer = dist.get_rank() == 0
     start = time.perf_counter()
-    records = evaluate_questions(questions, engine, tokenizer, settings,
-                                 os.path.join(args.out, "generations.jsonl") if is_writer else None, grade=is_writer)
+    with BenchmarkGrading(settings.grade_workers, settings.grade_timeout_seconds) if is_writer \
+            else contextlib.nullcontext() as grading:
+        records = evaluate_questions(questions, engine, tokenizer, settings,
+                                     os.path.join(args.out, "generations.jsonl") if is_writer else None, grading)
     table = aggregate(records)
     converted = os.path.join(args.out, "converted_checkpoint")
     if is_writer and not args.keep_converted and os.path.isdir(converted):
@@ -360,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
         summary = {"command": " ".join(["python -m exgrpo_megatron.evaluate", *(argv or sys.argv[1:])]),
                    "settings": dataclasses.asdict(settings), "data": args.data, "model": args.model,
                    "dataset_stats": dataclasses.asdict(dataset.stats), "seconds": time.perf_counter() - start,
-                   "benchmarks": table}
+                   "benchmarks": table, "averages": averages(table)}
         with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=2)
         print(f"wrote {args.out}/generations.jsonl and {args.out}/summary.json")

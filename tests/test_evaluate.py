@@ -22,6 +22,7 @@ from exgrpo_megatron.evaluate import (
     parse_avg_k,
     samples_per_question,
 )
+from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading
 from exgrpo_megatron.reward.boxed import grade_boxed, last_boxed_content, normalize_answer
 from exgrpo_megatron.reward.templates import render_prompt
 from exgrpo_megatron.rollout.types import Sample, SamplingParams
@@ -171,7 +172,8 @@ def test_fixture_pipeline_with_scripted_answers(tmp_path):
     engine = ScriptedEngine(tok, "plain")
     settings = EvalSettings(template="plain", avg_k={"aime24": 4}, prompts_per_call=2)
     path = str(tmp_path / "gen.jsonl")
-    records = evaluate_questions(questions, engine, tok, settings, jsonl_path=path)
+    with BenchmarkGrading(num_workers=2) as grading:
+        records = evaluate_questions(questions, engine, tok, settings, jsonl_path=path, grading=grading)
     table = aggregate(records)
 
     assert sorted(n for _, n, _ in engine.calls) == [1, 1, 4]  # k=1 prompts in blocks of 2, then k=4
