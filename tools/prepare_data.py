@@ -17,8 +17,8 @@ Commands:
     # OpenR1-Math-46k (Elliott/Openr1-Math-46k-8192; the R1 traces in `target` are dropped: the
     # trainer never uses them, algorithm reference section 4.2)
     python tools/prepare_data.py openr1 --output data/openr1.parquet
-    # the six in-distribution benchmarks: one parquet each plus data/valid.parquet (all of them)
-    python tools/prepare_data.py benchmarks --output-dir data
+    # the six in-distribution benchmarks and the three OOD multiple-choice ones (tables below)
+    python tools/prepare_data.py benchmarks --output-dir data [--only arc_c,mmlu_pro]
 
 The hub commands need the `datasets` package (not a dependency of this project: `pip install
 datasets`) and network access; on an offline machine, download the files elsewhere and use `local`.
@@ -38,6 +38,19 @@ paper's avg@32 on AIME/AMC comes from `trainer.val_n`, not from duplicated rows)
 | math500       | HuggingFaceH4/MATH-500       | -                 | test  | problem  | answer       | 500  |
 | minerva       | math-ai/minervamath          | -                 | test  | question | answer       | 272  |
 | olympiadbench | Hothan/OlympiadBench         | OE_TO_maths_en_COMP | train | question | final_answer | 675  |
+
+Out-of-distribution multiple-choice benchmarks (the paper's OOD columns; the question text with its option
+lines and the gold option label are built by `exgrpo_megatron.reward.multiple_choice`, the reference layout):
+
+| name         | dataset id         | config        | split | fields used                                  | rows  |
+|--------------|--------------------|---------------|-------|----------------------------------------------|-------|
+| arc_c        | allenai/ai2_arc    | ARC-Challenge | test  | question, choices.{label,text}, answerKey    | 1172  |
+| gpqa_diamond | Idavidrein/gpqa    | gpqa_diamond  | train | Question, Correct Answer, Incorrect Answer 1-3 | 198 |
+| mmlu_pro     | TIGER-Lab/MMLU-Pro | -             | test  | question, options, answer                    | 12032 |
+
+GPQA is gated on the hub (accept its terms, log in) and asks not to be redistributed: keep the converted
+file private. `benchmarks` writes data/eval/<name>.parquet per benchmark, data/valid.parquet (the math
+ones: the trainer's validation set) and data/valid_ood.parquet (the multiple-choice ones).
 """
 
 from __future__ import annotations
@@ -52,6 +65,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from exgrpo_megatron.reward import multiple_choice as mc
 
 OUTPUT_SCHEMA = pa.schema([
     ("data_source", pa.string()),
@@ -68,6 +83,30 @@ class HubSource:
     question_key: str
     answer_key: str
     config: str | None = None
+    multiple_choice: str | None = None  # key of MC_ROWS: builds (question text with options, gold label)
+
+
+def arc_row(row: Mapping[str, Any], index: int) -> tuple[str, str]:
+    """ARC: the dataset's option labels (A-D, or 1-4) and answerKey."""
+    choices = get_path(row, "choices")
+    return mc.arc_question(get_path(row, "question"), list(choices["label"]), list(choices["text"])), \
+        str(get_path(row, "answerKey")).strip()
+
+
+def gpqa_row(row: Mapping[str, Any], index: int) -> tuple[str, str]:
+    """GPQA: the correct answer shuffled among the three wrong ones, seeded by the row index (reproducible)."""
+    wrong = [str(get_path(row, f"Incorrect Answer {i}")).strip() for i in (1, 2, 3)]
+    options, gold = mc.shuffled_options(str(get_path(row, "Correct Answer")).strip(), wrong, seed=index)
+    return mc.lettered_question(get_path(row, "Question"), options), gold
+
+
+def mmlu_pro_row(row: Mapping[str, Any], index: int) -> tuple[str, str]:
+    """MMLU-Pro: up to ten options, lettered A-J in the dataset's order; `answer` is the letter."""
+    return mc.lettered_question(get_path(row, "question"), [str(o) for o in get_path(row, "options")]), \
+        str(get_path(row, "answer")).strip()
+
+
+MC_ROWS = {"arc": arc_row, "gpqa": gpqa_row, "mmlu_pro": mmlu_pro_row}
 
 
 OPENR1 = HubSource("Elliott/Openr1-Math-46k-8192", "train", "prompt", "reward_model.ground_truth")
@@ -79,6 +118,13 @@ BENCHMARKS: dict[str, HubSource] = {
     "minerva": HubSource("math-ai/minervamath", "test", "question", "answer"),
     "olympiadbench": HubSource("Hothan/OlympiadBench", "train", "question", "final_answer", "OE_TO_maths_en_COMP"),
 }
+OOD_BENCHMARKS: dict[str, HubSource] = {
+    "arc_c": HubSource("allenai/ai2_arc", "test", "question", "answerKey", "ARC-Challenge", multiple_choice="arc"),
+    "gpqa_diamond": HubSource("Idavidrein/gpqa", "train", "Question", "Correct Answer", "gpqa_diamond",
+                              multiple_choice="gpqa"),
+    "mmlu_pro": HubSource("TIGER-Lab/MMLU-Pro", "test", "question", "answer", multiple_choice="mmlu_pro"),
+}
+ALL_BENCHMARKS = {**BENCHMARKS, **OOD_BENCHMARKS}
 
 
 class HubUnavailable(RuntimeError):
@@ -166,17 +212,22 @@ def read_records(path: Path, fmt: str = "auto") -> Iterator[tuple[str, Mapping[s
 
 def convert_records(records: Iterable[tuple[str, Mapping[str, Any] | Exception]], question_key: str,
                     answer_key: str, data_source: str | None, default_source: str,
-                    report: ConversionReport, rows: list[dict[str, Any]]) -> None:
+                    report: ConversionReport, rows: list[dict[str, Any]], multiple_choice: str | None = None) -> None:
     """Append converted rows to `rows` (index continues from len(rows)); record skipped ones in `report`.
-    `data_source` None keeps a row's own string `data_source` column, else uses `default_source`."""
-    for location, record in records:
+    `data_source` None keeps a row's own string `data_source` column, else uses `default_source`.
+    `multiple_choice` (a key of MC_ROWS) builds the question text and gold label from the option fields."""
+    for i, (location, record) in enumerate(records):
         if isinstance(record, Exception):
             report.skipped.append(f"{location}: {record}")
             continue
         try:
-            question = question_text(get_path(record, question_key))
-            answer = answer_text(get_path(record, answer_key))
-        except (KeyError, ValueError) as exc:
+            if multiple_choice:
+                question, answer = MC_ROWS[multiple_choice](record, i)
+                question, answer = question_text(question), answer_text(answer)
+            else:
+                question = question_text(get_path(record, question_key))
+                answer = answer_text(get_path(record, answer_key))
+        except (KeyError, ValueError, TypeError) as exc:
             report.skipped.append(f"{location}: {exc.args[0] if exc.args else exc}")
             continue
         source = data_source or (record.get("data_source") if isinstance(record.get("data_source"), str)
@@ -226,7 +277,8 @@ def convert_hub(sources: dict[str, HubSource], output_for: dict[str, Path]) -> d
     reports = {}
     for name, source in sources.items():
         report, rows = ConversionReport(), []
-        convert_records(load_hub_rows(source), source.question_key, source.answer_key, name, name, report, rows)
+        convert_records(load_hub_rows(source), source.question_key, source.answer_key, name, name, report, rows,
+                        source.multiple_choice)
         if rows:
             write_parquet(rows, output_for[name])
         reports[name] = report
@@ -249,8 +301,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     openr1.add_argument("--output", type=Path, default=Path("data/openr1.parquet"))
     bench = sub.add_parser("benchmarks", help="download and convert the evaluation benchmarks")
     bench.add_argument("--output-dir", type=Path, default=Path("data"))
-    bench.add_argument("--only", default=",".join(BENCHMARKS),
-                       help="comma-separated subset of: " + ", ".join(BENCHMARKS))
+    bench.add_argument("--only", default=",".join(ALL_BENCHMARKS),
+                       help="comma-separated subset of: " + ", ".join(ALL_BENCHMARKS))
     return parser.parse_args(argv)
 
 
@@ -271,16 +323,17 @@ def main(argv: list[str] | None = None) -> int:
             outputs = {"openr1": args.output}
         else:
             names = [n.strip() for n in args.only.split(",") if n.strip()]
-            unknown = sorted(set(names) - set(BENCHMARKS))
+            unknown = sorted(set(names) - set(ALL_BENCHMARKS))
             if unknown:
-                print(f"prepare_data: unknown benchmark(s) {unknown}; known: {list(BENCHMARKS)}", file=sys.stderr)
+                print(f"prepare_data: unknown benchmark(s) {unknown}; known: {list(ALL_BENCHMARKS)}", file=sys.stderr)
                 return 1
             outputs = {n: args.output_dir / "eval" / f"{n}.parquet" for n in names}
-            reports = convert_hub({n: BENCHMARKS[n] for n in names}, outputs)
-            combined = [p for p in outputs.values() if p.is_file()]
-            if combined:
-                report = convert_local_files(combined, args.output_dir / "valid.parquet")
-                print(report.summary(args.output_dir / "valid.parquet"), file=sys.stderr)
+            reports = convert_hub({n: ALL_BENCHMARKS[n] for n in names}, outputs)
+            for combined_name, group in (("valid.parquet", BENCHMARKS), ("valid_ood.parquet", OOD_BENCHMARKS)):
+                combined = [p for n, p in outputs.items() if n in group and p.is_file()]
+                if combined:
+                    report = convert_local_files(combined, args.output_dir / combined_name)
+                    print(report.summary(args.output_dir / combined_name), file=sys.stderr)
     except HubUnavailable as exc:
         print(f"prepare_data: {exc}", file=sys.stderr)
         return 1
