@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
-from exgrpo_megatron.data.datasets import PromptDataset, load_prompt_dataset
+from exgrpo_megatron.data.datasets import PromptDataset
 from exgrpo_megatron.data.sampler import PromptSampler
 from exgrpo_megatron.data.synthetic import build_arithmetic_prompt_dataset
+from exgrpo_megatron.data.token_cache import cached_prompt_dataset
 from exgrpo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from exgrpo_megatron.distributed.runtime import ParallelLayout
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
@@ -43,8 +44,8 @@ def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset
         return train, val
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer, template=d.template,
               max_prompt_length=d.max_prompt_length)
-    train = load_prompt_dataset(d.train_files, **kw)
-    val = load_prompt_dataset(d.val_files, **kw) if d.val_files else None
+    train = cached_prompt_dataset(d.train_files, cache_dir=d.token_cache_dir, **kw)
+    val = cached_prompt_dataset(d.val_files, cache_dir=d.token_cache_dir, **kw) if d.val_files else None
     return train, val
 
 

@@ -123,6 +123,7 @@ class DataConfig:
     shuffle: bool = True
     num_val_examples: int = 64  # synthetic task only
     num_train_examples: int = 2048  # synthetic task only
+    token_cache_dir: str = ".cache/tokenized_prompts"  # tokenised files cached here (data/token_cache.py); "" = off
 
 
 @dataclass
