@@ -347,6 +347,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
         raise SystemExit(f"error: --model {args.model!r} does not exist")
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(single_process_env())
+    from exgrpo_megatron.distributed import cpu_shims
+
+    cpu_shims.apply()  # before megatron-core is imported: its known CPU warnings are filtered (no-op on GPU)
     import torch.distributed as dist
 
     from exgrpo_megatron.data.datasets import load_prompt_dataset
