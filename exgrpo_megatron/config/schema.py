@@ -84,6 +84,8 @@ class AlgoConfig:
     recompute_old_logprobs: bool = True
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20
+    loss_seqs_per_rank_ref: float = 64.0  # token_sum_constant: the original's sequences per rank (64x8 seqs / 8 GPUs)
+    policy_shaping: bool = True  # replay tokens: f(w) = w/(w+beta); false = plain IS ratio w ("w/o shaping")
 
 
 @dataclass

@@ -87,6 +87,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
         e.append(f"algo.clip_ratio: must be > 0, got {a.clip_ratio}")
     _positive(e, "algo.shaping_beta", a.shaping_beta)
     _positive(e, "algo.skip_grad_bound", a.skip_grad_bound)
+    _positive(e, "algo.loss_seqs_per_rank_ref", a.loss_seqs_per_rank_ref)
     if a.entropy_coeff < 0:
         e.append(f"algo.entropy_coeff: must be >= 0, got {a.entropy_coeff}")
 
