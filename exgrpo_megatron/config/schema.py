@@ -104,6 +104,7 @@ class TrainerConfig:
     exp_bucket_mu: float = 0.5
     exp_bucket_sigma: float = 1.0
     exp_max_trajectories_per_question: int = 0  # 0 = no cap (paper)
+    exp_select_mode: str = "argmin"  # argmin (lowest ent/ppl, paper) | argmax (highest: Tab. 6 ablation)
     val_every: int = 10
     val_n: int = 1  # avg@k on the validation set
     sft_warm_start_steps: int = 0  # synthetic task only: supervised warm-start steps before RL (cached)
@@ -125,6 +126,8 @@ class DataConfig:
     shuffle: bool = True
     num_val_examples: int = 64  # synthetic task only
     num_train_examples: int = 2048  # synthetic task only
+    num_test_examples: int = 0  # synthetic task only: held-out test split (its own seed), read by the bench
+    arithmetic_tiers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # synthetic task: tiers used
 
 
 @dataclass
