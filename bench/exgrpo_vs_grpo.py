@@ -152,13 +152,17 @@ def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
             running[run.run_dir] = (run, proc, time.perf_counter())
             pending.remove(run)
         time.sleep(2.0)
-        for key, (_run, proc, t0) in list(running.items()):
+        for key, (finished, proc, t0) in list(running.items()):
             if proc.poll() is not None:
                 print(f"[bench] done {os.path.basename(key)}: rc={proc.returncode} {time.perf_counter() - t0:.0f}s",
                       file=sys.stderr)
                 if proc.returncode != 0:
                     failed.append(f"{key} rc={proc.returncode} (log {key}/bench.log)")
                 del running[key]
+                seed = finished.seed
+                if not os.path.isfile(ready[seed]):  # its warm start failed: the seed's other runs cannot start
+                    failed += [f"{r.run_dir} (no warm start for seed {seed})" for r in pending if r.seed == seed]
+                    pending = [r for r in pending if r.seed != seed]
     return failed
 
 
