@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = fa.analyse(args.root, ARMS, ABLATIONS, best, args.seeds, args.ablation_seeds, args.threshold,
                          args.lrs, args.stability_lr_factor, args.out_png)
     summary.update(command=shlex.join(["bench/exgrpo_vs_grpo.py", *(argv if argv is not None else sys.argv[1:])]),
-                   config_name=args.config_name, arms=ARMS, ablations=ABLATIONS, lrs=args.lrs,
+                   config_name=args.config_name, arm_overrides=ARMS, ablation_overrides=ABLATIONS, lrs=args.lrs,
                    sweep_seeds=args.sweep_seeds, seeds=args.seeds, ablation_seeds=args.ablation_seeds,
                    failed_runs=failed, cpu_count=os.cpu_count(), loadavg=os.getloadavg())
     os.makedirs(os.path.dirname(args.out_json), exist_ok=True)

@@ -8,8 +8,9 @@ Two uses (one process, one rank; run from the repo root with PYTHONPATH=$PWD):
                  real math set spreads over all buckets). Writes JSON + PNG.
       python tools/arithmetic_eval.py difficulty --config-name fidelity_cpu --questions 320 -k 8 \
           --out bench/results/fidelity_difficulty
-  test        -- a finished run's newest checkpoint on the TEST split (data.num_test_examples; the run's own
-                 resolved config): greedy accuracy and avg@k at each --temperatures. Writes JSON.
+  test        -- a finished run's newest checkpoint (or --weights, e.g. its warm start: the step-0 baseline) on
+                 the TEST split (data.num_test_examples; the run's own resolved config): greedy accuracy and avg@k
+                 at each --temperatures. Writes JSON.
       python tools/arithmetic_eval.py test --run-dir runs/x --out runs/x/test_eval.json
 
 avg@k = (1/Q) sum_q (1/k) sum_j c_qj (as exgrpo_megatron.evaluate); greedy = temperature 0, one sample.
@@ -115,7 +116,7 @@ def test_split(args: argparse.Namespace) -> dict:
 
     cfg = load_config("config", [f"logging.run_dir={args.run_dir}"], config_dir=args.run_dir)
     c = _setup(cfg)
-    ckpt = find_latest(args.run_dir)
+    ckpt = args.weights or find_latest(args.run_dir)
     if ckpt is None:
         raise SystemExit(f"{args.run_dir}: no complete checkpoint")
     load_model_weights(ckpt, c.policy.modules, model_config=cfg.model)
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("-k", type=int, default=8)
     t.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 1.0])
     t.add_argument("--out", required=True, help="JSON file")
+    t.add_argument("--weights", default=None,
+                   help="evaluate these weights (e.g. the run's cached warm start) instead of its newest checkpoint")
     args = p.parse_args(argv)
     if args.what == "difficulty":
         result = difficulty(args)
