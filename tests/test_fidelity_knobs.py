@@ -148,3 +148,25 @@ def test_every_bench_variant_is_a_valid_config_override():
         assert config_errors(cfg, world_size=1) == [], name
         if name != "exgrpo":
             assert cfg != load_config("fidelity_cpu"), f"{name} changes nothing"
+
+
+def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
+    bench = _bench_module()
+    args = bench.parse(["--root", str(tmp_path), "--phase", "sweep", "final", "ablation", "stability"])
+    best = {"exgrpo": 5e-5, "grpo": 1e-4}
+    runs = bench.plan_runs(args, best)
+    dirs = [r.run_dir for r in runs]
+    assert len(dirs) == len(set(dirs))
+    by_phase = {p: [r for r in runs if r.phase == p] for p in bench.PHASES}
+    assert len(by_phase["sweep"]) == 2 * len(args.lrs) * len(args.sweep_seeds)
+    # final seeds already run by the sweep at the chosen rate are reused, not planned twice
+    assert len(by_phase["final"]) == 2 * len(set(args.seeds) - set(args.sweep_seeds))
+    assert len(by_phase["ablation"]) == len(bench.ABLATIONS) * len(args.ablation_seeds)
+    assert all(r.lr == best["exgrpo"] for r in by_phase["ablation"])
+    assert {r.lr for r in by_phase["stability"]} == {max(args.lrs) * args.stability_lr_factor}
+    run = by_phase["final"][0]
+    assert not run.done
+    (tmp_path / Path(run.run_dir).name).mkdir()
+    (tmp_path / Path(run.run_dir).name / "test_eval.json").write_text("{}")
+    assert run.done  # an existing run is not re-run
+    assert bench.plan_runs(args, {"exgrpo": None, "grpo": None}) == by_phase["sweep"] + by_phase["stability"]
