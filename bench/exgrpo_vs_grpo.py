@@ -1,61 +1,121 @@
-"""ExGRPO vs on-policy GRPO on the CPU demo task: same compute, several seeds, one process per run.
+"""ExGRPO vs on-policy GRPO and the paper's ablations on the fidelity miniature (issue 15), resumably.
 
-Both arms run the `demo_cpu` preset unchanged (same steps, batch B, rollouts K, learning rate, warm start); the
-only difference is the experience pool: the GRPO arm adds ``trainer.experience=false`` (the one switch for the
-on-policy baseline; ``conf/trainer/grpo.yaml`` sets just that). Seed s gives both arms the same data, the same
-cached supervised warm start (built once per seed under ``<root>/sft_cache``; the GRPO run of a seed waits for
-its ExGRPO run) and the same validation set. The held-out set is enlarged to ``--val-examples`` questions for
-both arms (the demo's 64 is too noisy to rank two methods).
+Protocol (preset `conf/fidelity_cpu.yaml`; every variant is a list of config overrides, never a code fork):
+* equal rollout budget: both arms run the same steps x B prompts x K rollouts; ExGRPO generates K-1 per replayed
+  question (the stored trajectory is the K-th), so it gets at most as many generated trajectories as GRPO
+  (counted and reported; curves are plotted against generated trajectories);
+* learning rate: each arm sweeps `--lrs` (>= 3 values) on `--sweep-seeds`; its best rate is the one with the
+  highest mean final VALIDATION accuracy (val/avg@1, T=0.6); the final numbers use that rate on `--seeds` (>= 5)
+  and are measured on the separate TEST split (tools/arithmetic_eval.py test: greedy accuracy, avg@8 at T=0.6
+  and T=1.0);
+* ablations (`ABLATIONS`): at ExGRPO's best rate, `--ablation-seeds` (>= 3) seeds each;
+* stability: both arms at `--stability-lr-factor` x the largest swept rate, `--ablation-seeds` seeds.
+A run lives in `<root>/<variant>_lr<lr>_seed<seed>/`; it is skipped when its test_eval.json exists, resumed from
+its newest checkpoint when it was interrupted (checkpoint.resume=auto). Runs of one seed share the cached
+supervised warm start: only one of them trains it, the others wait for the cache. Analysis: bench/fidelity_analysis.py.
 
-Reported per arm (mean +- sample std over seeds, ddof=1):
-* reward curves: ``reward/mean`` (what the demo prints) and ``reward/fresh_mean`` per step, mean +- std band;
-  ExGRPO's ``reward/mean`` includes the replayed trajectory of each experience group (correct by construction)
-  and half its batch is pool questions, so its training reward is NOT comparable across arms;
-* final held-out accuracy: the trainer's ``val/avg@k`` at the last step (temperature ``rollout.val_temperature``),
-  the comparable number;
-* steps to threshold: the first step s where the 5-step trailing moving average
-  MA_s = (1/5) * sum_{i=s-4..s} r_i of ``reward/mean`` (and of ``reward/fresh_mean``) is >= ``--threshold``;
-  "never" when it is not reached (counted as missing, not averaged);
-* the demo criterion: mean ``reward/mean`` over the last 10 steps minus the first 10.
-
-Run: ``.venv/bin/python bench/exgrpo_vs_grpo.py [--seeds 1234 1235 1236] [--jobs 2] [--arms grpo]``
-(writes bench/results/exgrpo_vs_grpo.json and .png; runs under runs/bench_exgrpo_vs_grpo/; ``--arms`` re-runs
-only some arms and analyses the existing run dirs of the others).
+    .venv/bin/python bench/exgrpo_vs_grpo.py --plan                # runs, status, estimated CPU time
+    .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 2  # then final, ablation, stability
+    .venv/bin/python bench/exgrpo_vs_grpo.py --analyse-only        # tables + JSON + PNG from what exists
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
-import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-RESULTS_JSON = os.path.join(HERE, "results", "exgrpo_vs_grpo.json")
-RESULTS_PNG = os.path.join(HERE, "results", "exgrpo_vs_grpo.png")
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+
 ARMS: dict[str, list[str]] = {"exgrpo": [], "grpo": ["trainer.experience=false"]}
-WINDOW = 5
+# The paper's Tab. 6 / Tab. 3 ablations (ExGRPO arm, rho = 0.5 is the full method).
+ABLATIONS: dict[str, list[str]] = {
+    "no_question_selection": ["trainer.exp_bucket_manager=uniform"],
+    "random_trajectory": ["trainer.exp_metric=random"],
+    "highest_entropy_trajectory": ["trainer.exp_select_mode=argmax"],
+    "no_policy_shaping": ["algo.policy_shaping=false"],
+    "no_is_correction": ["algo.exp_is_correct=false"],
+    "rho_0.25": ["trainer.experience_ratio=0.25"],
+    "rho_0.75": ["trainer.experience_ratio=0.75"],
+}
+PHASES = ("sweep", "final", "ablation", "stability")
 
 
 @dataclass
-class Job:
-    arm: str
+class Run:
+    phase: str
+    variant: str  # an ARMS or ABLATIONS key
+    lr: float
     seed: int
     run_dir: str
-    argv: list[str]
-    waits_for: str | None = None  # the run dir whose completion this job needs (shared warm-start cache)
-    wall_s: float | None = None
-    rc: int | None = None
-    log: str = field(default="")
+
+    @property
+    def overrides(self) -> list[str]:
+        return {**ARMS, **ABLATIONS}[self.variant]
+
+    @property
+    def done(self) -> bool:
+        return os.path.isfile(os.path.join(self.run_dir, "test_eval.json"))
+
+
+def run_dir(root: str, variant: str, lr: float, seed: int) -> str:
+    return os.path.join(root, f"{variant}_lr{lr:g}_seed{seed}")
+
+
+def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> list[Run]:
+    """Every run of the requested phases, deduplicated by run dir (a final seed that the sweep ran is reused)."""
+    runs: dict[str, Run] = {}
+
+    def add(phase: str, variant: str, lr: float | None, seeds: list[int]) -> None:
+        if lr is None:
+            return
+        for seed in seeds:
+            d = run_dir(args.root, variant, lr, seed)
+            runs.setdefault(d, Run(phase, variant, lr, seed, d))
+
+    for phase in args.phase:
+        for arm in ARMS:
+            if phase == "sweep":
+                for lr in args.lrs:
+                    add(phase, arm, lr, args.sweep_seeds)
+            elif phase == "final":
+                add(phase, arm, best_lr[arm], args.seeds)
+            elif phase == "stability":
+                add(phase, arm, max(args.lrs) * args.stability_lr_factor, args.ablation_seeds)
+        if phase == "ablation":
+            for name in ABLATIONS:
+                add(phase, name, best_lr["exgrpo"], args.ablation_seeds)
+    return list(runs.values())
+
+
+def train_argv(args: argparse.Namespace, run: Run) -> list[str]:
+    return [sys.executable, "-m", "exgrpo_megatron.train", "--config-name", args.config_name, f"seed={run.seed}",
+            f"optim.lr={run.lr:g}", f"logging.run_dir={run.run_dir}", "logging.tensorboard=false",
+            "logging.progress_bar=false", "checkpoint.resume=auto", f"trainer.sft_cache_dir={args.sft_cache}",
+            *args.override, *run.overrides]
+
+
+def eval_argv(run: Run) -> list[str]:
+    return [sys.executable, os.path.join(REPO, "tools", "arithmetic_eval.py"), "test", "--run-dir", run.run_dir,
+            "--out", os.path.join(run.run_dir, "test_eval.json")]
+
+
+def warm_start_ready(args: argparse.Namespace, seed: int) -> str:
+    """Path whose existence means the seed's warm start is cached (same key as the trainer computes)."""
+    from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.policy.warm_start import cache_key
+
+    cfg = load_config(args.config_name, [f"seed={seed}", f"trainer.sft_cache_dir={args.sft_cache}", *args.override])
+    return os.path.join(args.sft_cache, cache_key(cfg), "model_config.yaml")
 
 
 def free_port() -> int:
@@ -64,242 +124,134 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build_jobs(args: argparse.Namespace) -> list[Job]:
-    """Arm-major order: every ExGRPO seed first, so each GRPO run finds its seed's warm start cached."""
-    jobs = []
-    for arm, extra in ARMS.items():
-        for seed in args.seeds:
-            run_dir = os.path.join(args.root, f"{arm}_seed{seed}")
-            argv = [sys.executable, "-m", "exgrpo_megatron.train", "--config-name", args.config_name,
-                    f"seed={seed}", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
-                    "logging.progress_bar=false", "checkpoint.resume=none",
-                    f"trainer.sft_cache_dir={os.path.join(args.root, 'sft_cache')}",
-                    f"data.num_val_examples={args.val_examples}", *args.override, *extra]
-            waits = os.path.join(args.root, f"exgrpo_seed{seed}") if arm != "exgrpo" else None
-            jobs.append(Job(arm, seed, run_dir, argv, waits))
-    return jobs
-
-
-def run_jobs(jobs: list[Job], parallel: int, threads: int) -> None:
-    """Run every job as its own process, at most `parallel` at a time, respecting `waits_for`."""
-    pending, running, done = list(jobs), {}, set()
+def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
+    """Run the pending runs (train, then test evaluation) `--jobs` at a time; returns failures."""
+    pending = [r for r in runs if not r.done]
+    ready = {seed: warm_start_ready(args, seed) for seed in {r.seed for r in pending}}
+    warming: set[int] = set()
+    running: dict[str, tuple[Run, subprocess.Popen, float]] = {}
+    failed = []
     while pending or running:
-        for job in list(pending):
-            if len(running) >= parallel:
+        for run in list(pending):
+            if len(running) >= args.jobs:
                 break
-            if job.waits_for is not None and job.waits_for not in done and any(
-                    j.run_dir == job.waits_for for j in jobs):
-                continue
-            shutil.rmtree(job.run_dir, ignore_errors=True)
-            os.makedirs(job.run_dir, exist_ok=True)
-            job.log = os.path.join(job.run_dir, "train.log")
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MASTER_PORT=str(free_port()), HF_HUB_OFFLINE="1",
-                       TOKENIZERS_PARALLELISM="false")
+            if not os.path.isfile(ready[run.seed]):
+                if run.seed in warming:
+                    continue  # another run of this seed is training the shared warm start
+                warming.add(run.seed)
+            os.makedirs(run.run_dir, exist_ok=True)
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MASTER_PORT=str(free_port()),
+                       HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
             for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
                 env.pop(var, None)
-            print(f"[bench] start {job.arm} seed={job.seed}: {shlex.join(job.argv[1:])}", file=sys.stderr)
-            with open(job.log, "w") as log:
-                proc = subprocess.Popen(job.argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-            running[job.run_dir] = (job, proc, time.perf_counter())
-            pending.remove(job)
-        time.sleep(1.0)
-        for key, (job, proc, t0) in list(running.items()):
+            script = f"{shlex.join(train_argv(args, run))} && {shlex.join(eval_argv(run))}"
+            print(f"[bench] start {os.path.basename(run.run_dir)} ({run.phase})", file=sys.stderr)
+            with open(os.path.join(run.run_dir, "bench.log"), "a") as log:
+                proc = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT)
+            running[run.run_dir] = (run, proc, time.perf_counter())
+            pending.remove(run)
+        time.sleep(2.0)
+        for key, (finished, proc, t0) in list(running.items()):
             if proc.poll() is not None:
-                job.rc, job.wall_s = proc.returncode, time.perf_counter() - t0
-                print(f"[bench] done {job.arm} seed={job.seed}: rc={job.rc} {job.wall_s:.0f}s", file=sys.stderr)
-                done.add(key)
+                print(f"[bench] done {os.path.basename(key)}: rc={proc.returncode} {time.perf_counter() - t0:.0f}s",
+                      file=sys.stderr)
+                if proc.returncode != 0:
+                    failed.append(f"{key} rc={proc.returncode} (log {key}/bench.log)")
                 del running[key]
+                seed = finished.seed
+                if not os.path.isfile(ready[seed]):  # its warm start failed: the seed's other runs cannot start
+                    failed += [f"{r.run_dir} (no warm start for seed {seed})" for r in pending if r.seed == seed]
+                    pending = [r for r in pending if r.seed != seed]
+    return failed
 
 
-# ----------------------------------------------------------------------------------------- analysis
-def load_run(run_dir: str) -> dict:
-    from exgrpo_megatron.logging.metrics import read_metrics
+def estimate_cpu_s(args: argparse.Namespace, runs: list[Run], seconds_per_step: float,
+                   unplanned: int = 0) -> dict[str, float]:
+    """CPU seconds of the runs still to do: steps x seconds/step, validation, test evaluation, one warm start
+    per new seed (single-thread seconds measured on this machine; scale by 1/parallel jobs for wall time).
+    `unplanned`: runs that wait for the sweep's learning-rate choice, counted at the same cost."""
+    from exgrpo_megatron.config.loader import load_config
 
-    path = os.path.join(run_dir, "metrics.jsonl")
-    records = sorted((r for r in read_metrics(path) if isinstance(r.get("step"), int)), key=lambda r: r["step"])
-    val_key = next((k for r in records for k in r if k.startswith("val/")), None)
-    val = [(r["step"], float(r[val_key])) for r in records if val_key and r.get(val_key) is not None]
-    return {
-        "steps": [r["step"] for r in records],
-        "reward": [float(r["reward/mean"]) for r in records],
-        "fresh": [float(r["reward/fresh_mean"]) for r in records],
-        "val": val, "val_key": val_key,
-        "time_step": [float(r["time/step"]) for r in records],
-        "replayed": sum(float(r.get("experience/n_replayed", 0.0)) for r in records),
-        "mixed_from": next((r["step"] for r in records if r.get("phase") == "mixed"), None),
-        "pool_buckets_last": {k.split("_")[-1]: int(v) for k, v in (records[-1] if records else {}).items()
-                              if k.startswith("experience/bucket_")},
-    }
-
-
-def trailing_mean(values: list[float], window: int) -> list[float]:
-    """MA_s = mean of values[s-window+1 .. s] (shorter at the start)."""
-    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+    cfg = load_config(args.config_name, args.override)
+    t, d = cfg.trainer, cfg.data
+    val_s = (t.total_steps // max(t.val_every, 1)) * d.num_val_examples / (t.train_batch_size * cfg.rollout.n) \
+        * seconds_per_step * 0.5  # generation only: about half a step's time per B*K samples
+    test_s = d.num_test_examples * 17 / (t.train_batch_size * cfg.rollout.n) * seconds_per_step * 0.5
+    warm_s = t.sft_warm_start_steps * args.warm_start_step_seconds
+    todo = [r for r in runs if not r.done]
+    new_seeds = {r.seed for r in todo if not os.path.isfile(warm_start_ready(args, r.seed))}
+    train_s = (len(todo) + unplanned) * (t.total_steps * seconds_per_step + val_s + test_s)
+    return {"runs_total": len(runs) + unplanned, "runs_todo": len(todo) + unplanned,
+            "runs_waiting_for_lr_choice": unplanned, "train_eval_cpu_s": round(train_s),
+            "warm_start_cpu_s": round(len(new_seeds) * warm_s), "total_cpu_h": round((train_s + len(new_seeds)
+                                                                                      * warm_s) / 3600, 2)}
 
 
-def steps_to_threshold(steps: list[int], values: list[float], threshold: float, window: int = WINDOW) -> int | None:
-    """First step whose `window`-step trailing moving average is >= threshold (only full windows count)."""
-    ma = trailing_mean(values, window)
-    return next((s for i, (s, m) in enumerate(zip(steps, ma, strict=True)) if i >= window - 1 and m >= threshold),
-                None)
-
-
-def mean_std(values: list[float]) -> dict:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    if not vals:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
-
-
-def summarize_arm(runs: dict[int, dict], threshold: float) -> dict:
-    per_seed = {}
-    for seed, run in runs.items():
-        r = run["reward"]
-        per_seed[seed] = {
-            "final_val_acc": run["val"][-1][1] if run["val"] else None,
-            "final_val_step": run["val"][-1][0] if run["val"] else None,
-            "val_curve": run["val"],
-            "reward_first10": statistics.fmean(r[:10]), "reward_last10": statistics.fmean(r[-10:]),
-            "fresh_first10": statistics.fmean(run["fresh"][:10]), "fresh_last10": statistics.fmean(run["fresh"][-10:]),
-            "steps_to_threshold_reward": steps_to_threshold(run["steps"], r, threshold),
-            "steps_to_threshold_fresh": steps_to_threshold(run["steps"], run["fresh"], threshold),
-            "median_time_per_step_s": statistics.median(run["time_step"]),
-            "replayed_questions": run["replayed"], "mixed_from_step": run["mixed_from"],
-            "pool_buckets_last": run["pool_buckets_last"], "steps": len(run["steps"]),
-        }
-    def col(key: str) -> list:
-        return [p[key] for p in per_seed.values()]
-    delta = [p["reward_last10"] - p["reward_first10"] for p in per_seed.values()]
-    reached = [s for s in col("steps_to_threshold_reward") if s is not None]
-    reached_fresh = [s for s in col("steps_to_threshold_fresh") if s is not None]
-    return {
-        "per_seed": per_seed,
-        "final_val_acc": mean_std(col("final_val_acc")),
-        "reward_first10": mean_std(col("reward_first10")), "reward_last10": mean_std(col("reward_last10")),
-        "reward_delta": mean_std(delta),
-        "fresh_first10": mean_std(col("fresh_first10")), "fresh_last10": mean_std(col("fresh_last10")),
-        "steps_to_threshold_reward": {**mean_std(reached), "reached": f"{len(reached)}/{len(per_seed)}"},
-        "steps_to_threshold_fresh": {**mean_std(reached_fresh), "reached": f"{len(reached_fresh)}/{len(per_seed)}"},
-    }
-
-
-def band(curves: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
-    """Per-step mean and mean -+ sample std over the curves (truncated to the shortest)."""
-    n = min(len(c) for c in curves)
-    mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
-    std = [statistics.stdev(c[i] for c in curves) if len(curves) > 1 else 0.0 for i in range(n)]
-    return mean, [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)]
-
-
-def plot(all_runs: dict[str, dict[int, dict]], threshold: float, out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = (("reward", "reward/mean (5-step moving avg)"), ("fresh", "reward/fresh_mean (5-step moving avg)"),
-              ("val", "held-out accuracy"))
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for ax, (key, title) in zip(axes, panels, strict=True):
-        for arm, runs in all_runs.items():
-            if key == "val":
-                curves = [[v for _, v in run["val"]] for run in runs.values()]
-                x = [s for s, _ in next(iter(runs.values()))["val"]]
-            else:
-                curves = [trailing_mean(run[key], WINDOW) for run in runs.values()]
-                x = next(iter(runs.values()))["steps"]
-            if not curves or not x:
-                continue
-            mean, lo, hi = band(curves)
-            x = x[:len(mean)]
-            ax.plot(x, mean, label=f"{arm} (n={len(curves)})", marker="o" if key == "val" else None)
-            ax.fill_between(x, lo, hi, alpha=0.25)
-        if key != "val":
-            ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.legend(fontsize="small")
-    fig.suptitle("ExGRPO vs on-policy GRPO, demo_cpu task (mean +- std over seeds)")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-
-
-def fmt(ms: dict, digits: int = 3) -> str:
-    return "n/a" if ms.get("mean") is None else f"{ms['mean']:.{digits}f} +- {ms['std']:.{digits}f}"
-
-
-def print_table(summary: dict, threshold: float) -> None:
-    rows = [("final held-out acc", "final_val_acc", 3), ("reward/mean first 10", "reward_first10", 3),
-            ("reward/mean last 10", "reward_last10", 3), ("reward/mean last-first", "reward_delta", 3),
-            ("fresh reward first 10", "fresh_first10", 3), ("fresh reward last 10", "fresh_last10", 3),
-            (f"steps to MA5 reward>={threshold}", "steps_to_threshold_reward", 1),
-            (f"steps to MA5 fresh>={threshold}", "steps_to_threshold_fresh", 1)]
-    arms = list(summary)
-    print(f"{'metric':34s}" + "".join(f"{a:>24s}" for a in arms))
-    for label, key, digits in rows:
-        cells = []
-        for a in arms:
-            cell = fmt(summary[a][key], digits)
-            if "reached" in summary[a][key]:
-                cell += f" ({summary[a][key]['reached']})"
-            cells.append(cell)
-        print(f"{label:34s}" + "".join(f"{c:>24s}" for c in cells))
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config-name", default="fidelity_cpu")
+    p.add_argument("--root", default=os.path.join(REPO, "runs", "bench_fidelity"))
+    p.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES))
+    p.add_argument("--lrs", type=float, nargs="+", default=[2.5e-5, 5e-5, 1e-4])
+    p.add_argument("--sweep-seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--ablation-seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--stability-lr-factor", type=float, default=3.0,
+                   help="x the largest swept rate (demo_cpu: 2e-4 and 3e-4 blew the entropy up)")
+    p.add_argument("--jobs", type=int, default=2, help="runs at once (each one process)")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--override", nargs="*", default=[], help="extra overrides for every run")
+    p.add_argument("--threshold", type=float, default=0.5, help="validation accuracy for trajectories-to-threshold")
+    p.add_argument("--plan", action="store_true", help="print the runs and the estimated CPU time; run nothing")
+    p.add_argument("--analyse-only", action="store_true")
+    p.add_argument("--step-seconds", type=float, default=None,
+                   help="seconds per RL step for --plan (default: median of finished runs, else 6.0)")
+    p.add_argument("--warm-start-step-seconds", type=float, default=1.5)
+    p.add_argument("--out-json", default=os.path.join(HERE, "results", "exgrpo_vs_grpo_fidelity.json"))
+    p.add_argument("--out-png", default=os.path.join(HERE, "results", "exgrpo_vs_grpo_fidelity.png"))
+    args = p.parse_args(argv)
+    args.root = os.path.abspath(args.root)
+    args.sft_cache = os.path.join(args.root, "sft_cache")
+    if len(args.lrs) < 3 or len(args.seeds) < 5 or len(args.ablation_seeds) < 3:
+        print("[bench] note: fewer than 3 rates / 5 final seeds / 3 ablation seeds is below the issue-15 protocol",
+              file=sys.stderr)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235, 1236])
-    p.add_argument("--config-name", default="demo_cpu")
-    p.add_argument("--root", default=os.path.join(REPO, "runs", "bench_exgrpo_vs_grpo"))
-    p.add_argument("--jobs", type=int, default=2, help="runs at once (each is one process)")
-    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
-    p.add_argument("--threshold", type=float, default=0.4, help="reward level for steps-to-threshold")
-    p.add_argument("--val-examples", type=int, default=256, help="held-out questions (both arms)")
-    p.add_argument("--override", nargs="*", default=[], help="extra hydra overrides for both arms")
-    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
-                   help="arms to (re)run; the analysis reads every arm's existing run dirs")
-    p.add_argument("--analyse-only", action="store_true", help="skip training; read the existing run dirs")
-    p.add_argument("--out-json", default=RESULTS_JSON)
-    p.add_argument("--out-png", default=RESULTS_PNG)
-    args = p.parse_args(argv)
-    args.root = os.path.abspath(args.root)
-    sys.path.insert(0, REPO)
+    import fidelity_analysis as fa
 
-    jobs = build_jobs(args)
-    to_run = [j for j in jobs if j.arm in args.arms]  # a job waits only for runs that are in this list
-    load_before, t0 = os.getloadavg(), time.perf_counter()
-    if not args.analyse_only:
-        run_jobs(to_run, args.jobs, args.threads)
-    total_s, load_after = time.perf_counter() - t0, os.getloadavg()
-    failed = [j for j in jobs if j.rc not in (0, None)]
-    all_runs: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}
-    for job in jobs:
-        if job.rc in (0, None) and os.path.isfile(os.path.join(job.run_dir, "metrics.jsonl")):
-            all_runs[job.arm][job.seed] = load_run(job.run_dir)
-    summary = {arm: summarize_arm(runs, args.threshold) for arm, runs in all_runs.items() if runs}
-    print_table(summary, args.threshold)
-    plot(all_runs, args.threshold, args.out_png)
-    result = {
-        "command": shlex.join([".venv/bin/python", "bench/exgrpo_vs_grpo.py", *(argv if argv is not None
-                                                                              else sys.argv[1:])]),
-        "config_name": args.config_name, "seeds": args.seeds, "arms": {a: ARMS[a] for a in ARMS},
-        "common_overrides": [f"data.num_val_examples={args.val_examples}", "checkpoint.resume=none", *args.override],
-        "val_metric": next((r["val_key"] for runs in all_runs.values() for r in runs.values()), None),
-        "threshold": args.threshold, "moving_average_window": WINDOW, "std": "sample std over seeds (ddof=1)",
-        "runtime_s": None if args.analyse_only else round(total_s, 1),
-        "parallel_runs": args.jobs, "omp_num_threads": args.threads,
-        "run_wall_s": {f"{j.arm}_seed{j.seed}": None if j.wall_s is None else round(j.wall_s, 1) for j in jobs},
-        "loadavg_before": load_before, "loadavg_after": load_after, "cpu_count": os.cpu_count(),
-        "failed_runs": [f"{j.arm}_seed{j.seed} rc={j.rc} (log {j.log})" for j in failed],
-        "summary": summary,
-        "png": os.path.relpath(args.out_png, REPO),
-    }
+    args = parse(argv)
+    best = fa.best_learning_rates(args.root, list(ARMS), args.lrs, args.sweep_seeds)
+    runs = plan_runs(args, {arm: b["lr"] if b else None for arm, b in best.items()})
+    step_s = args.step_seconds or fa.median_step_seconds(args.root) or 6.0
+    if args.plan:
+        for r in runs:
+            state = "done" if r.done else ("partial" if os.path.isdir(r.run_dir) else "todo")
+            print(f"{r.phase:9s} {os.path.basename(r.run_dir):48s} {state}")
+        unplanned = 0
+        if "final" in args.phase:
+            unplanned += sum(len(set(args.seeds) - set(args.sweep_seeds)) for arm in ARMS if best[arm] is None)
+        if "ablation" in args.phase and best["exgrpo"] is None:
+            unplanned += len(ABLATIONS) * len(args.ablation_seeds)
+        if unplanned:
+            print(f"({unplanned} final/ablation runs wait for the sweep's validation results to pick the learning "
+                  "rate; re-plan after the sweep to list them)")
+        print(json.dumps({"seconds_per_step": step_s, **estimate_cpu_s(args, runs, step_s, unplanned)}))
+        return 0
+    failed = [] if args.analyse_only else execute(args, runs)
+    summary = fa.analyse(args.root, ARMS, ABLATIONS, best, args.seeds, args.ablation_seeds, args.threshold,
+                         args.lrs, args.stability_lr_factor, args.out_png)
+    summary.update(command=shlex.join(["bench/exgrpo_vs_grpo.py", *(argv if argv is not None else sys.argv[1:])]),
+                   config_name=args.config_name, arm_overrides=ARMS, ablation_overrides=ABLATIONS, lrs=args.lrs,
+                   sweep_seeds=args.sweep_seeds, seeds=args.seeds, ablation_seeds=args.ablation_seeds,
+                   failed_runs=failed, cpu_count=os.cpu_count(), loadavg=os.getloadavg())
     os.makedirs(os.path.dirname(args.out_json), exist_ok=True)
     with open(args.out_json, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {args.out_json} and {args.out_png}" + (f"; FAILED: {result['failed_runs']}" if failed else ""))
+        json.dump(summary, fh, indent=1)
+    fa.print_tables(summary)
+    print(f"wrote {args.out_json} and {args.out_png}" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
 
 

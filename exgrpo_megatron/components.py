@@ -8,7 +8,7 @@ from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.datasets import PromptDataset
 from exgrpo_megatron.data.sampler import PromptSampler
-from exgrpo_megatron.data.synthetic import build_arithmetic_prompt_dataset
+from exgrpo_megatron.data.synthetic import arithmetic_split_datasets
 from exgrpo_megatron.data.token_cache import cached_prompt_dataset
 from exgrpo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from exgrpo_megatron.distributed.runtime import ParallelLayout
@@ -37,11 +37,8 @@ class Components:
 def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
     d = cfg.data
     if d.source == "arithmetic":
-        train = build_arithmetic_prompt_dataset(d.num_train_examples, cfg.seed, tokenizer, d.template,
-                                                d.max_prompt_length)
-        val = build_arithmetic_prompt_dataset(d.num_val_examples, cfg.seed + 7919, tokenizer, d.template,
-                                              d.max_prompt_length)
-        return train, val
+        splits = arithmetic_split_datasets(d, cfg.seed, tokenizer)
+        return splits["train"], splits["val"]
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer, template=d.template,
               max_prompt_length=d.max_prompt_length)
     train = cached_prompt_dataset(d.train_files, cache_dir=d.token_cache_dir, **kw)
@@ -65,6 +62,17 @@ def build_engine(cfg: RootConfig, policy: Policy, tokenizer: Tokenizer) -> Rollo
                                  max_batch_sequences=cfg.rollout.max_batch_sequences)
 
 
+def build_pool(cfg: RootConfig, dp_group=None) -> ShardedExperiencePool:
+    """The experience pool with every ExGRPO selection knob from the config (the one place they are read):
+    question selection (exp_bucket_manager, exp_bucket_mu, exp_bucket_sigma), trajectory selection
+    (exp_metric, exp_select_mode), storage bounds and cap."""
+    t = cfg.trainer
+    return ShardedExperiencePool(
+        cfg.rollout.n, t.experience_lbound, t.experience_rbound, t.exp_max_trajectories_per_question,
+        t.exp_bucket_manager, t.exp_bucket_mu, t.exp_bucket_sigma, t.exp_metric, dp_group=dp_group,
+        select_mode=t.exp_select_mode)
+
+
 def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
     from megatron.core import parallel_state as ps
 
@@ -74,12 +82,8 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
                            f"vocabulary ({tokenizer.vocab_size})"])
     train, val = build_datasets(cfg, tokenizer)
     t = cfg.trainer
-    pool = None
-    if t.experience:
-        dp_group = ps.get_data_parallel_group_gloo() if layout.dp_size > 1 else None
-        pool = ShardedExperiencePool(
-            cfg.rollout.n, t.experience_lbound, t.experience_rbound, t.exp_max_trajectories_per_question,
-            t.exp_bucket_manager, t.exp_bucket_mu, t.exp_bucket_sigma, t.exp_metric, dp_group=dp_group)
+    dp_group = ps.get_data_parallel_group_gloo() if layout.dp_size > 1 else None
+    pool = build_pool(cfg, dp_group) if t.experience else None
     policy = Policy(cfg)
     return Components(
         cfg=cfg, layout=layout, tokenizer=tokenizer, train_data=train, val_data=val,

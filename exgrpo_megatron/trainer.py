@@ -93,10 +93,11 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
         tokens = float(sum(batch.response_lengths[i] for i in chunk_rows))
         counts = totals.all_reduce_dp(torch.tensor([tokens, float(len(chunk_rows))], dtype=torch.float64))
         pg_norm, ent_norm = loss_normalisers(float(counts[0]), float(counts[1]), a.loss_agg_mode,
-                                             cfg.data.max_response_length)
+                                             cfg.data.max_response_length, a.loss_seqs_per_rank_ref)
         mbs = micro_batches_for_update(batch, chunk_rows, old, behaviour, t.micro_batch_max_tokens)
         loss_fn = exgrpo_loss_fn(mixed_phase=mixed_phase, temperature=r.temperature, clip_ratio=a.clip_ratio,
-                                 shaping_beta=a.shaping_beta, entropy_coeff=a.entropy_coeff,
+                                 shaping_beta=a.shaping_beta, policy_shaping=a.policy_shaping,
+                                 entropy_coeff=a.entropy_coeff,
                                  pg_normaliser=pg_norm, entropy_normaliser=ent_norm, vocab_size=cfg.model.vocab_size)
         c.policy.zero_grad()
         metrics = c.policy.forward_backward(mbs, loss_fn) if mbs else []

@@ -11,6 +11,8 @@ Per-token loss l_t (no KL term; the original has none):
     mixed phase:    l = -A*rho                                   (unclipped, paper §D.1)
   replayed tokens (P=1), w = exp(logp - logp_behaviour):
     l = -A*f(w),  f(w) = w / (w + beta),  beta = 0.1              (policy shaping, Eq. 4)
+    l = -A*w      with algo.policy_shaping=false                  (plain unclipped IS: paper Tab. 6 "w/o shaping";
+                                                                   the original's off_policy_reshape=no_reshape)
 Total loss of one micro-batch on one rank:
   L_mb = sum_{i,t} m*l / pg_normaliser  -  entropy_coeff * sum_{i,t} m*H / entropy_normaliser
 
@@ -21,14 +23,26 @@ divided by the global normaliser, so summing micro-batch losses over micro-batch
 gradients over DP ranks gives exactly the full-batch loss and gradient, for any micro-batch count or DP size.
 
 Aggregation modes:
-  token_sum_constant (default): pg_normaliser = max_response_length * num_sequences_global (Dr.GRPO "no length
-    normalisation"). The original divides each micro-batch token sum by T_max = max_response_length, sums
-    micro-batches and averages over its DP ranks: sum / (T_max * DP). Ours is sum / (T_max * N_seq); the two
-    differ by the constant N_seq / DP (sequences per rank per mini-batch, 64 at the paper's 8-GPU layout).
-    Adam is invariant to a constant loss scale except through gradient clipping (clip 1.0) and its eps.
-  token_mean: pg_normaliser = number of valid tokens in the global mini-batch.
-  The entropy bonus is the global token mean of H in both modes (entropy_normaliser = global valid tokens);
-  the original takes a token mean per micro-batch and sums micro-batches, which depends on the micro-batching.
+  token_sum_constant (default): pg_normaliser = max_response_length * num_sequences_global / seqs_per_rank_ref
+    (Dr.GRPO "no length normalisation", at the original's scale). The original (`mix_core_alg.py`:
+    `pg_loss = (pg_losses * eos_mask).sum() / eos_mask.shape[-1]`, `mix_actor.update_policy`: `loss =
+    policy_loss / gradient_accumulation`, FSDP averaging gradients over DP) optimises, per mini-batch,
+        L_orig = (1/DP) sum_ranks sum_micro [ sum_{i,t} m*l / T_max  -  c * token_mean_micro(H) ] / grad_accum,
+    with grad_accum = ppo_mini_batch_size / ppo_micro_batch_size = 64/64 = 1 in run_exgrpo.sh and verl normalising
+    both to per-rank sequences (x n / DP: 64 x 8 / 8 = 64 sequences per rank per mini-batch). Its pg term is
+    sum_all l / (T_max * DP) = [sum_all l / (T_max * N_seq)] * (N_seq / DP): it changes with the GPU count at a
+    fixed batch. We keep a normaliser that does not depend on the GPU count and put the original's
+    sequences-per-rank AT THE PAPER'S LAYOUT in as a constant, `algo.loss_seqs_per_rank_ref` = 64:
+        pg = sum_all l * S_ref / (T_max * N_seq)
+    which equals the original's pg term at 8 ranks x 512 sequences for any DP size / micro-batching of ours, so
+    grad clipping (1.0), the skip bound (500) and the balance against the entropy bonus act on the original's
+    gradient scale (`tests/test_loss_scale.py` checks it against a float64 re-implementation of L_orig).
+    Entropy bonus: the original's is c * token_mean per micro-batch, SUMMED over its dynamic micro-batches
+    (32768 tokens per GPU), so its weight is c * n_micro with n_micro varying with response lengths; ours is
+    c * the global token mean, the original's at n_micro = 1 (its configured gradient accumulation). With
+    loss_seqs_per_rank_ref = 1 this mode is the older sum / (T_max * N_seq) (64x smaller pg at the paper layout).
+  token_mean: pg_normaliser = number of valid tokens in the global mini-batch (loss_seqs_per_rank_ref unused).
+  The entropy bonus is the global token mean of H in both modes (entropy_normaliser = global valid tokens).
 
 Behaviour log-probs for replayed tokens (`select_behaviour_logprobs`): with `exp_is_correct=True` they are the
 log-probs recorded when the trajectory was collected (pi_past), so w is a true per-token importance ratio; with
@@ -48,19 +62,23 @@ LOSS_AGG_MODES = ("token_sum_constant", "token_mean")
 
 
 def loss_normalisers(
-    num_tokens_global: float, num_seqs_global: float, mode: str, max_response_length: int
+    num_tokens_global: float, num_seqs_global: float, mode: str, max_response_length: int,
+    seqs_per_rank_ref: float = 1.0,
 ) -> tuple[float, float]:
     """(pg_normaliser, entropy_normaliser) from the DP-global valid-token and sequence counts.
 
-    token_sum_constant: (max_response_length * num_seqs_global, num_tokens_global)
+    token_sum_constant: (max_response_length * num_seqs_global / seqs_per_rank_ref, num_tokens_global)
     token_mean:         (num_tokens_global, num_tokens_global)
-    Counts of zero are replaced by 1 so an empty batch gives a zero loss, not NaN.
+    seqs_per_rank_ref = the original's sequences per rank per mini-batch at its layout (`algo.loss_seqs_per_rank_ref`,
+    64 for the paper; module docstring). Counts of zero are replaced by 1 so an empty batch gives a zero loss, not NaN.
     """
     num_tokens = max(float(num_tokens_global), 1.0)
     if mode == "token_sum_constant":
         if max_response_length < 1:
             raise ValueError(f"max_response_length must be >= 1, got {max_response_length}")
-        return float(max_response_length) * max(float(num_seqs_global), 1.0), num_tokens
+        if seqs_per_rank_ref <= 0:
+            raise ValueError(f"seqs_per_rank_ref must be > 0, got {seqs_per_rank_ref}")
+        return float(max_response_length) * max(float(num_seqs_global), 1.0) / float(seqs_per_rank_ref), num_tokens
     if mode == "token_mean":
         return num_tokens, num_tokens
     raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
@@ -115,9 +133,15 @@ def fresh_token_loss(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def replay_token_loss(log_w: Tensor, advantages: Tensor, beta: float = 0.1) -> Tensor:
-    """Per-token loss of replayed tokens: l = -A * f(w), f(w) = w / (w + beta) (paper Eq. 4)."""
-    return -advantages * shaped_ratio(log_w, beta)
+def replay_weight(log_w: Tensor, beta: float = 0.1, shaping: bool = True) -> Tensor:
+    """The weight a replayed token's advantage is multiplied by: f(w) = w / (w + beta) (paper Eq. 4) with
+    shaping, the plain importance ratio w = exp(log_w) without (paper Tab. 6, "w/o policy shaping")."""
+    return shaped_ratio(log_w, beta) if shaping else torch.exp(log_w)
+
+
+def replay_token_loss(log_w: Tensor, advantages: Tensor, beta: float = 0.1, shaping: bool = True) -> Tensor:
+    """Per-token loss of replayed tokens: l = -A * f(w), or l = -A * w without shaping (`replay_weight`)."""
+    return -advantages * replay_weight(log_w, beta, shaping)
 
 
 def approx_kl_k3(log_ratio: Tensor) -> Tensor:
@@ -137,6 +161,7 @@ def exgrpo_loss(
     mixed_phase: bool,
     clip_ratio: float = 0.2,
     shaping_beta: float = 0.1,
+    policy_shaping: bool = True,
     entropy_coeff: float = 0.001,
     pg_normaliser: float,
     entropy_normaliser: float,
@@ -149,6 +174,7 @@ def exgrpo_loss(
     advantages: [B] per sequence or [B, T] per token. response_mask: [B, T]. replay_mask: [B] or [B, T].
     entropy: [B, T] token entropies (differentiable or not), or None to leave out the entropy bonus.
     mixed_phase: False = warm-up (PPO clip on fresh tokens), True = mixed (unclipped).
+    policy_shaping: True = f(w) on replayed tokens, False = the plain ratio w (`replay_weight`).
     pg_normaliser, entropy_normaliser: from `loss_normalisers` on DP-global counts.
 
     Returns (loss, metrics). Metrics are detached float64 scalars meant to be reduced over micro-batches and DP
@@ -165,7 +191,7 @@ def exgrpo_loss(
     log_w = torch.where(replay, logprobs - behaviour_logprobs, zero)
 
     fresh_loss, clipped = fresh_token_loss(log_rho, adv, clip=not mixed_phase, clip_ratio=clip_ratio)
-    replay_loss = replay_token_loss(log_w, adv, beta=shaping_beta)
+    replay_loss = replay_token_loss(log_w, adv, beta=shaping_beta, shaping=policy_shaping)
     token_loss = torch.where(replay, replay_loss, torch.where(fresh, fresh_loss, zero))
     pg_loss = token_loss.sum() / pg_normaliser
     loss = pg_loss
@@ -190,7 +216,8 @@ def exgrpo_loss(
             "approx_kl_sum": torch.where(fresh, approx_kl_k3(log_rho), zero).sum(),
             "replay_weight_sum": torch.where(replay, w, zero).sum(),
             "replay_weight_max": torch.where(replay, w, zero).max() if w.numel() else zero,
-            "replay_shaped_weight_sum": torch.where(replay, shaped_ratio(log_w, shaping_beta), zero).sum(),
+            "replay_shaped_weight_sum": torch.where(replay, replay_weight(log_w, shaping_beta, policy_shaping),
+                                                    zero).sum(),
             "entropy_sum": entropy_sum,
         }
         metrics = {k: v.detach().to(torch.float64) for k, v in metrics.items()}

@@ -84,6 +84,8 @@ class AlgoConfig:
     recompute_old_logprobs: bool = True
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20
+    loss_seqs_per_rank_ref: float = 64.0  # token_sum_constant: the original's sequences per rank (64x8 seqs / 8 GPUs)
+    policy_shaping: bool = True  # replay tokens: f(w) = w/(w+beta); false = plain IS ratio w ("w/o shaping")
 
 
 @dataclass
@@ -102,6 +104,7 @@ class TrainerConfig:
     exp_bucket_mu: float = 0.5
     exp_bucket_sigma: float = 1.0
     exp_max_trajectories_per_question: int = 0  # 0 = no cap (paper)
+    exp_select_mode: str = "argmin"  # argmin (lowest ent/ppl, paper) | argmax (highest: Tab. 6 ablation)
     val_every: int = 10
     val_n: int = 1  # avg@k on the validation set
     sft_warm_start_steps: int = 0  # synthetic task only: supervised warm-start steps before RL (cached)
@@ -124,6 +127,8 @@ class DataConfig:
     num_val_examples: int = 64  # synthetic task only
     num_train_examples: int = 2048  # synthetic task only
     token_cache_dir: str = ".cache/tokenized_prompts"  # tokenised files cached here (data/token_cache.py); "" = off
+    num_test_examples: int = 0  # synthetic task only: held-out test split (its own seed), read by the bench
+    arithmetic_tiers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # synthetic task: tiers used
 
 
 @dataclass

@@ -87,6 +87,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
         e.append(f"algo.clip_ratio: must be > 0, got {a.clip_ratio}")
     _positive(e, "algo.shaping_beta", a.shaping_beta)
     _positive(e, "algo.skip_grad_bound", a.skip_grad_bound)
+    _positive(e, "algo.loss_seqs_per_rank_ref", a.loss_seqs_per_rank_ref)
     if a.entropy_coeff < 0:
         e.append(f"algo.entropy_coeff: must be >= 0, got {a.entropy_coeff}")
 
@@ -106,6 +107,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     _choice(e, "trainer.exp_metric", t.exp_metric, ("ent", "ppl", "random"))
     _choice(e, "trainer.exp_bucket_manager", t.exp_bucket_manager, ("normal", "uniform", "linear", "sqrt"))
     _positive(e, "trainer.exp_bucket_sigma", t.exp_bucket_sigma)
+    _choice(e, "trainer.exp_select_mode", t.exp_select_mode, ("argmin", "argmax"))
     if t.exp_max_trajectories_per_question < 0:
         e.append("trainer.exp_max_trajectories_per_question: must be >= 0 (0 = no cap)")
     _positive(e, "trainer.val_n", t.val_n)
@@ -116,6 +118,10 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     _choice(e, "data.source", d.source, ("files", "arithmetic"))
     if t.sft_warm_start_steps > 0 and d.source != "arithmetic":
         e.append("trainer.sft_warm_start_steps: the supervised warm start needs data.source=arithmetic")
+    if not d.arithmetic_tiers or any(t not in range(8) for t in d.arithmetic_tiers):
+        e.append(f"data.arithmetic_tiers: need a non-empty list of tiers from 0..7, got {d.arithmetic_tiers}")
+    if d.num_test_examples < 0:
+        e.append(f"data.num_test_examples: must be >= 0, got {d.num_test_examples}")
     _choice(e, "data.template", d.template, ("own", "chat", "llama_base", "plain"))
     _choice(e, "data.tokenizer", d.tokenizer, ("hf", "char"))
     if d.source == "files" and not d.train_files:

@@ -25,6 +25,7 @@ import torch
 from exgrpo_megatron.experience.types import CandidateScores, Trajectory
 
 SELECTION_METRICS = ("ent", "ppl", "random")
+SELECT_MODES = ("argmin", "argmax")  # argmin: the paper's lowest score; argmax: Tab. 6 "highest entropy" ablation
 
 # scorer(qids, candidates) -> one CandidateScores per question, each holding one value per candidate
 # in the order given (see CandidateScores for what each metric needs).
@@ -52,12 +53,15 @@ def mean_token_nll(token_logprobs: torch.Tensor | np.ndarray, mask: torch.Tensor
 
 
 def select_trajectory_index(scores: CandidateScores | None, metric: str, num_candidates: int,
-                            rng: np.random.Generator | None = None) -> int:
+                            rng: np.random.Generator | None = None, mode: str = "argmin") -> int:
     """Index of the candidate to replay.
 
     ent: argmin mean_entropy; ppl: argmin exp(mean_nll) (= argmin mean_nll, exp is monotone);
-    random: uniform (needs rng). Ties go to the earliest (oldest) candidate.
+    random: uniform (needs rng). mode="argmax" takes the highest score instead (the original's
+    `exp_select_mode`). Ties go to the earliest (oldest) candidate; NaN (empty mask) never wins.
     """
+    if mode not in SELECT_MODES:
+        raise ValueError(f"unknown selection mode {mode!r}; expected one of {SELECT_MODES}")
     if num_candidates <= 0:
         raise ValueError("no candidates")
     if metric == "random":
@@ -79,11 +83,13 @@ def select_trajectory_index(scores: CandidateScores | None, metric: str, num_can
     values = np.asarray(values, dtype=np.float64).reshape(-1)
     if values.shape[0] != num_candidates:
         raise ValueError(f"scorer returned {values.shape[0]} scores for {num_candidates} candidates")
-    return int(np.where(np.isnan(values), np.inf, values).argmin())  # NaN (empty mask) never wins
+    if mode == "argmax":
+        return int(np.where(np.isnan(values), -np.inf, values).argmax())
+    return int(np.where(np.isnan(values), np.inf, values).argmin())
 
 
 def choose_trajectories(qids: Sequence[int], candidates: Sequence[list[Trajectory]], metric: str,
-                        scorer: Scorer | None, rng: np.random.Generator) -> list[Trajectory]:
+                        scorer: Scorer | None, rng: np.random.Generator, mode: str = "argmin") -> list[Trajectory]:
     """One trajectory per question. Only questions with >= 2 candidates are sent to the scorer (one
     call for all of them); with metric 'random' the scorer is not called."""
     if metric not in SELECTION_METRICS:
@@ -98,4 +104,4 @@ def choose_trajectories(qids: Sequence[int], candidates: Sequence[list[Trajector
             if len(results) != len(multi):
                 raise ValueError(f"scorer returned {len(results)} results for {len(multi)} questions")
             scored = dict(zip(multi, results, strict=True))
-    return [c[select_trajectory_index(scored.get(i), metric, len(c), rng)] for i, c in enumerate(candidates)]
+    return [c[select_trajectory_index(scored.get(i), metric, len(c), rng, mode)] for i, c in enumerate(candidates)]

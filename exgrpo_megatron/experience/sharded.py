@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from exgrpo_megatron.experience.buckets import bucket_probabilities, draw_bucket_counts
 from exgrpo_megatron.experience.routing import all_gather_choices, all_gather_int64, owner_rank, route_groups
-from exgrpo_megatron.experience.selection import SELECTION_METRICS, Scorer, choose_trajectories
+from exgrpo_megatron.experience.selection import SELECT_MODES, SELECTION_METRICS, Scorer, choose_trajectories
 from exgrpo_megatron.experience.shard import RETIRE, ExperienceShard
 from exgrpo_megatron.experience.types import GroupOutcome, ReplayChoice
 
@@ -39,13 +39,15 @@ class ShardedExperiencePool:
 
     def __init__(self, group_size: int, lbound: int = 0, rbound: int | None = None,
                  max_trajectories_per_question: int = 0, bucket_mode: str = "normal", bucket_mu: float = 0.5,
-                 bucket_sigma: float = 1.0, metric: str = "ent", dp_group=None) -> None:
+                 bucket_sigma: float = 1.0, metric: str = "ent", dp_group=None, select_mode: str = "argmin") -> None:
         if metric not in SELECTION_METRICS:
             raise ValueError(f"unknown selection metric {metric!r}; expected one of {SELECTION_METRICS}")
+        if select_mode not in SELECT_MODES:
+            raise ValueError(f"unknown selection mode {select_mode!r}; expected one of {SELECT_MODES}")
         bucket_probabilities(np.ones(group_size + 1), group_size, bucket_mode, bucket_mu, bucket_sigma)  # validate
         self.group_size = group_size
         self.bucket_mode, self.bucket_mu, self.bucket_sigma = bucket_mode, bucket_mu, bucket_sigma
-        self.metric = metric
+        self.metric, self.select_mode = metric, select_mode
         self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
@@ -99,7 +101,7 @@ class ShardedExperiencePool:
             drawn = self.shard.draw(my_counts, local_rng)
             qids = [q for q, _ in drawn]
             chosen = choose_trajectories(qids, [self.shard.candidates(q) for q in qids], self.metric, scorer,
-                                         local_rng)
+                                         local_rng, self.select_mode)
             local = [(q, k, t) for (q, k), t in zip(drawn, chosen, strict=True)]
         everything = all_gather_choices(local, self.dp_group, self.dp_size) if n_exp > 0 else []
         return [ReplayChoice(q, t, k) for q, k, t in sorted(everything, key=lambda c: c[0])]

@@ -42,7 +42,7 @@ def token_stats_fn(temperature: float, with_entropy: bool, vocab_size: int | Non
 
 
 def exgrpo_loss_fn(*, mixed_phase: bool, temperature: float, clip_ratio: float, shaping_beta: float,
-                   entropy_coeff: float, pg_normaliser: float, entropy_normaliser: float,
+                   entropy_coeff: float, policy_shaping: bool = True, pg_normaliser: float, entropy_normaliser: float,
                    vocab_size: int | None = None) -> LossFn:
     """Extras expected on each micro-batch: old_logprobs, behaviour_logprobs, advantages, replay."""
 
@@ -53,7 +53,8 @@ def exgrpo_loss_fn(*, mixed_phase: bool, temperature: float, clip_ratio: float, 
         x = mb.extras
         return exgrpo_loss(
             logp, x["old_logprobs"], x["behaviour_logprobs"], x["advantages"], mb.loss_mask, x["replay"], ent,
-            mixed_phase=mixed_phase, clip_ratio=clip_ratio, shaping_beta=shaping_beta, entropy_coeff=entropy_coeff,
+            mixed_phase=mixed_phase, clip_ratio=clip_ratio, shaping_beta=shaping_beta, policy_shaping=policy_shaping,
+            entropy_coeff=entropy_coeff,
             pg_normaliser=pg_normaliser, entropy_normaliser=entropy_normaliser,
         )
 

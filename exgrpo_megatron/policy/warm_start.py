@@ -34,7 +34,8 @@ def cache_key(cfg: RootConfig) -> str:
     (a changed tier in data/synthetic.py must not reuse weights trained on the old task)."""
     parts = {"model": asdict(cfg.model), "steps": cfg.trainer.sft_warm_start_steps,
              "lr": cfg.trainer.sft_warm_start_lr, "seed": cfg.seed, "template": cfg.data.template,
-             "n": cfg.data.num_train_examples, "batch": SFT_BATCH, "task": task_fingerprint()}
+             "n": cfg.data.num_train_examples, "batch": SFT_BATCH,
+             "task": task_fingerprint(tuple(cfg.data.arithmetic_tiers))}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -61,7 +62,8 @@ def train_warm_start(cfg: RootConfig, tokenizer: Tokenizer, out_dir: Path) -> No
     sft_cfg = replace(cfg, optim=replace(cfg.optim, lr=t.sft_warm_start_lr, lr_schedule="constant",
                                          lr_warmup_steps=0))
     policy = Policy(sft_cfg)
-    pairs = warm_start_examples(cfg.data.num_train_examples, cfg.seed + 1, template=cfg.data.template)
+    pairs = warm_start_examples(cfg.data.num_train_examples, cfg.seed + 1, tiers=tuple(cfg.data.arithmetic_tiers),
+                                template=cfg.data.template)
     seqs, plens = [], []
     for prompt, solution in pairs:
         p = tokenizer.encode(prompt)

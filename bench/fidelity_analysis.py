@@ -1,0 +1,203 @@
+"""Analysis of bench/exgrpo_vs_grpo.py's runs: learning-rate choice on validation, test numbers with 95% CIs,
+trajectories to a validation threshold, the logged curves (entropy, replay share, IS weights, bucket occupancy).
+
+95% CI of a mean over n seeds: mean +- t_{0.975, n-1} * s / sqrt(n) (s the sample std, ddof=1).
+Generated trajectories of a step: B*K - (replayed questions) (a replayed question's K-th member is stored).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+
+# Student t 0.975 quantiles for df = 1..30 (standard table); df > 30 uses the normal 1.96.
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+TEST_KEYS = ("greedy", "avg@8_T0.6", "avg@8_T1")
+CURVES = ("val", "entropy/mean", "replay/token_fraction", "replay/is_weight_mean", "replay/is_weight_max",
+          "replay/shaped_weight_mean", "reward/fresh_mean")
+
+
+def run_dir(root: str, variant: str, lr: float, seed: int) -> str:
+    return os.path.join(root, f"{variant}_lr{lr:g}_seed{seed}")
+
+
+def load_run(path: str) -> dict | None:
+    """Per-step records of a run (None if it has no metrics); `trajectories` = cumulative generated ones."""
+    from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.logging.metrics import read_metrics
+
+    metrics = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        return None
+    cfg = load_config("config", config_dir=path)
+    per_step = cfg.trainer.train_batch_size * cfg.rollout.n
+    records = sorted((r for r in read_metrics(metrics) if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+    out: dict = {"steps": [], "trajectories": [], "total_steps": cfg.trainer.total_steps}
+    total = 0.0
+    for r in records:
+        total += per_step - float(r.get("experience/n_replayed", 0.0))
+        out["steps"].append(r["step"])
+        out["trajectories"].append(total)
+        for key in CURVES[1:]:
+            out.setdefault(key, []).append(float(r.get(key, 0.0)))
+        buckets = {k: float(v) for k, v in r.items() if k.startswith("experience/bucket_")}
+        out.setdefault("buckets", []).append(buckets)
+        out.setdefault("time_step", []).append(float(r.get("time/step", 0.0)))
+        val = next((float(v) for k, v in r.items() if k.startswith("val/") and v is not None), None)
+        if val is not None:
+            out.setdefault("val", []).append((r["step"], total, val))
+    test = os.path.join(path, "test_eval.json")
+    if os.path.isfile(test):
+        import json
+
+        with open(test) as fh:
+            out["test"] = json.load(fh)
+    return out
+
+
+def ci95(values: list[float]) -> dict:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"mean": None, "ci95": None, "n": 0}
+    mean = statistics.fmean(vals)
+    if len(vals) < 2:
+        return {"mean": mean, "ci95": None, "n": 1}
+    df = len(vals) - 1
+    half = (T975[df - 1] if df <= len(T975) else 1.96) * statistics.stdev(vals) / math.sqrt(len(vals))
+    return {"mean": mean, "ci95": half, "n": len(vals)}
+
+
+def final_val(run: dict | None) -> float | None:
+    """Final validation accuracy of a finished run (the last val point at total_steps), else None."""
+    if not run or not run.get("val") or run["steps"][-1] < run["total_steps"]:
+        return None
+    return run["val"][-1][2]
+
+
+def best_learning_rates(root: str, arms: list[str], lrs: list[float], seeds: list[int]) -> dict[str, dict | None]:
+    """Per arm, the swept rate with the highest mean final validation accuracy over `seeds` (all finished)."""
+    out: dict[str, dict | None] = {}
+    for arm in arms:
+        scores = {}
+        for lr in lrs:
+            vals = [final_val(load_run(run_dir(root, arm, lr, s))) for s in seeds]
+            if all(v is not None for v in vals):
+                scores[lr] = statistics.fmean(vals)
+        complete = len(scores) == len(lrs)
+        out[arm] = {"lr": max(scores, key=scores.get), "val_by_lr": scores} if complete else None
+    return out
+
+
+def median_step_seconds(root: str) -> float | None:
+    times = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            run = load_run(os.path.join(root, name)) if name != "sft_cache" else None
+            if run and run["time_step"]:
+                times.append(statistics.median(run["time_step"]))
+    return statistics.median(times) if times else None
+
+
+def trajectories_to_threshold(run: dict, threshold: float) -> float | None:
+    return next((traj for _, traj, v in run.get("val", []) if v >= threshold), None)
+
+
+def summarize(runs: list[dict], threshold: float) -> dict:
+    out = {key: ci95([r["test"].get(key) for r in runs if "test" in r]) for key in TEST_KEYS}
+    out["final_val"] = ci95([final_val(r) for r in runs])
+    reached = [trajectories_to_threshold(r, threshold) for r in runs]
+    out["trajectories_to_threshold"] = {**ci95([x for x in reached if x is not None]),
+                                        "reached": f"{sum(x is not None for x in reached)}/{len(runs)}"}
+    out["generated_trajectories"] = ci95([r["trajectories"][-1] for r in runs])
+    out["entropy_last10"] = ci95([statistics.fmean(r["entropy/mean"][-10:]) for r in runs])
+    return out
+
+
+def analyse(root: str, arms: dict, ablations: dict, best: dict, seeds: list[int], ablation_seeds: list[int],
+            threshold: float, lrs: list[float], stability_factor: float, png: str) -> dict:
+    result: dict = {"protocol_note": __doc__.strip().splitlines()[0], "threshold_val_acc": threshold,
+                    "best_lr": best, "arms": {}, "ablations": {}, "stability": {}}
+    curves: dict[str, list[dict]] = {}
+    for arm in arms:
+        if best.get(arm):
+            runs = [r for s in seeds if (r := load_run(run_dir(root, arm, best[arm]["lr"], s)))]
+            result["arms"][arm] = {"lr": best[arm]["lr"], **summarize(runs, threshold)}
+            curves[arm] = runs
+        high = max(lrs) * stability_factor
+        runs = [r for s in ablation_seeds if (r := load_run(run_dir(root, arm, high, s)))]
+        if runs:
+            result["stability"][arm] = {"lr": high, **summarize(runs, threshold)}
+    if best.get("exgrpo"):
+        for name in ablations:
+            runs = [r for s in ablation_seeds if (r := load_run(run_dir(root, name, best["exgrpo"]["lr"], s)))]
+            if runs:
+                result["ablations"][name] = summarize(runs, threshold)
+    if curves:
+        plot(curves, png)
+        result["png"] = os.path.relpath(png, os.path.dirname(os.path.dirname(png)))
+    return result
+
+
+def _band(runs: list[dict], key: str) -> tuple[list[float], list[float], list[float]]:
+    """x (mean generated trajectories), mean and 95% CI half-width per step over runs."""
+    if key == "val":
+        series = [[v for _, _, v in r.get("val", [])] for r in runs]
+        xs = [[t for _, t, _ in r.get("val", [])] for r in runs]
+    else:
+        series = [r[key] for r in runs]
+        xs = [r["trajectories"] for r in runs]
+    n = min(len(s) for s in series)
+    x = [statistics.fmean(xx[i] for xx in xs) for i in range(n)]
+    cis = [ci95([s[i] for s in series]) for i in range(n)]
+    return x, [c["mean"] for c in cis], [c["ci95"] or 0.0 for c in cis]
+
+
+def plot(curves: dict[str, list[dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = ("val", "entropy/mean", "replay/token_fraction", "replay/is_weight_mean", "buckets")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
+    for ax, key in zip(axes, panels, strict=True):
+        for arm, runs in curves.items():
+            if key == "buckets":
+                if arm != "exgrpo":
+                    continue
+                last = runs[0]["buckets"]
+                for k in sorted({b for step in last for b in step}, key=lambda s: int(s.split("_")[-1])):
+                    ax.plot(runs[0]["trajectories"], [step.get(k, 0.0) for step in last], label=k.split("/")[-1])
+                continue
+            if not all(r.get(key) for r in runs):
+                continue
+            x, mean, half = _band(runs, key)
+            ax.plot(x, mean, label=f"{arm} (n={len(runs)})", marker="o" if key == "val" else None)
+            ax.fill_between(x, [m - h for m, h in zip(mean, half, strict=True)],
+                            [m + h for m, h in zip(mean, half, strict=True)], alpha=0.25)
+        ax.set_title("validation accuracy (T=0.6)" if key == "val" else
+                     "pool buckets (exgrpo, first seed)" if key == "buckets" else key)
+        ax.set_xlabel("generated trajectories")
+        ax.legend(fontsize="small")
+    fig.suptitle("fidelity_cpu: ExGRPO vs on-policy GRPO, each at its best learning rate (mean, 95% CI over seeds)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _fmt(ms: dict) -> str:
+    if not ms or ms.get("mean") is None:
+        return "n/a"
+    return f"{ms['mean']:.3f}" + (f" +- {ms['ci95']:.3f}" if ms.get("ci95") is not None else "") + f" (n={ms['n']})"
+
+
+def print_tables(summary: dict) -> None:
+    cols = ("greedy", "avg@8_T0.6", "avg@8_T1", "final_val", "trajectories_to_threshold")
+    print(f"{'variant':30s}" + "".join(f"{c:>28s}" for c in cols))
+    for section in ("arms", "ablations", "stability"):
+        for name, row in summary.get(section, {}).items():
+            print(f"{(name if section != 'stability' else name + ' (high lr)'):30s}"
+                  + "".join(f"{_fmt(row.get(c, {})):>28s}" for c in cols))

@@ -1,0 +1,172 @@
+"""The paper's ablation knobs (issue 15, item 3) as config values, each checked for the behaviour it names:
+question selection (Gaussian vs uniform buckets, mu, sigma), trajectory selection (lowest / highest entropy,
+random), policy shaping on/off, IS correction on/off, rho."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from exgrpo_megatron.algo.loss import exgrpo_loss, select_behaviour_logprobs
+from exgrpo_megatron.components import build_pool
+from exgrpo_megatron.config.loader import load_config
+from exgrpo_megatron.config.validate import config_errors
+from exgrpo_megatron.data.step_plan import num_experience_questions
+from exgrpo_megatron.experience import CandidateScores, GroupOutcome, ShardedExperiencePool
+
+K = 8
+QUESTIONS_PER_BUCKET = 200
+
+
+def gaussian_rates(mu: float, sigma: float, buckets=range(1, K)) -> dict[int, float]:
+    """Independent reference: p_k = exp(-(k - mu K)^2 / 2 sigma^2) normalised over the filled buckets."""
+    w = {k: math.exp(-((k - mu * K) ** 2) / (2 * sigma**2)) for k in buckets}
+    total = sum(w.values())
+    return {k: v / total for k, v in w.items()}
+
+
+def filled_pool(cfg_overrides: list[str], trajectories_per_question: int = 1) -> ShardedExperiencePool:
+    """A pool built from the fidelity preset's config, with QUESTIONS_PER_BUCKET questions in each bucket 1..7."""
+    pool = build_pool(load_config("fidelity_cpu", cfg_overrides))
+    outcomes = []
+    for k in range(1, K):
+        for j in range(QUESTIONS_PER_BUCKET):
+            qid = k * 1000 + j
+            n = min(k, trajectories_per_question)
+            outcomes.append(GroupOutcome(qid, k, K, [np.array([qid, c, 2], np.int32) for c in range(n)],
+                                         [np.full(3, -0.5, np.float32) for _ in range(n)], step=1))
+    pool.update(outcomes)
+    return pool
+
+
+def drawn_bucket_frequencies(pool: ShardedExperiencePool, draws: int = 300, n: int = 16) -> dict[int, float]:
+    counts = np.zeros(K + 1)
+    for seed in range(draws):
+        for choice in pool.sample(n, rng_seed=seed):
+            counts[choice.bucket] += 1
+    return {k: counts[k] / counts.sum() for k in range(K + 1)}
+
+
+@pytest.mark.parametrize("mu,sigma", [(0.5, 1.0), (0.25, 1.0), (0.5, 0.5), (0.5, 1.5)])
+def test_gaussian_question_selection_draws_buckets_at_the_gaussian_rates(mu, sigma):
+    pool = filled_pool([f"trainer.exp_bucket_mu={mu}", f"trainer.exp_bucket_sigma={sigma}"])
+    freq = drawn_bucket_frequencies(pool)
+    expected = gaussian_rates(mu, sigma)
+    for k in range(1, K):
+        assert freq[k] == pytest.approx(expected[k], abs=0.02), (k, freq, expected)
+    if (mu, sigma) == (0.5, 1.0):  # the paper's setting: the middle three buckets take 88% of the draws
+        assert freq[3] + freq[4] + freq[5] == pytest.approx(0.883, abs=0.02)
+
+
+def test_uniform_question_selection_draws_buckets_uniformly():
+    freq = drawn_bucket_frequencies(filled_pool(["trainer.exp_bucket_manager=uniform"]))
+    for k in range(1, K):
+        assert freq[k] == pytest.approx(1 / 7, abs=0.02), freq
+
+
+def entropy_scorer(qids, candidates):
+    """Mean entropy of a candidate = its second token id (0, 1, 2, ...): a known order to select from."""
+    return [CandidateScores(mean_entropy=np.array([float(t.token_ids[1]) for t in cands])) for cands in candidates]
+
+
+@pytest.mark.parametrize("mode,expected", [("argmin", 0), ("argmax", None)])
+def test_trajectory_selection_lowest_and_highest_entropy(mode, expected):
+    pool = filled_pool([f"trainer.exp_select_mode={mode}"], trajectories_per_question=8)
+    choices = pool.sample(64, rng_seed=3, scorer=entropy_scorer)
+    assert len(choices) == 64
+    for c in choices:
+        n_candidates = min(c.bucket, 8)
+        want = 0 if expected == 0 else n_candidates - 1
+        assert int(c.trajectory.token_ids[1]) == want, (mode, c.bucket)
+
+
+def test_random_trajectory_selection_is_uniform_and_ignores_the_scorer():
+    pool = filled_pool(["trainer.exp_metric=random", "trainer.exp_bucket_manager=uniform"], trajectories_per_question=8)
+
+    def no_scorer(qids, candidates):
+        raise AssertionError("random selection must not score")
+
+    picks = [int(c.trajectory.token_ids[1]) for seed in range(200)
+             for c in pool.sample(32, rng_seed=seed, scorer=no_scorer) if c.bucket == 7]
+    freq = np.bincount(picks, minlength=7) / len(picks)
+    np.testing.assert_allclose(freq, np.full(7, 1 / 7), atol=0.04)
+
+
+def replay_grad(policy_shaping: bool, log_w: float, adv: float) -> float:
+    lp = torch.tensor([[log_w]], dtype=torch.float64, requires_grad=True)
+    zero = torch.zeros(1, 1, dtype=torch.float64)
+    loss, _ = exgrpo_loss(lp, zero, zero, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool),
+                          torch.tensor([True]), None, mixed_phase=True, policy_shaping=policy_shaping,
+                          pg_normaliser=1.0, entropy_normaliser=1.0)
+    return float(torch.autograd.grad(loss, lp)[0])
+
+
+@pytest.mark.parametrize("log_w", [-3.0, math.log(0.1), 0.0, 2.0])
+def test_policy_shaping_switch(log_w):
+    """On: d(-A f(w))/dlogp = -A beta w / (w + beta)^2 (bounded); off: the plain IS gradient -A w."""
+    w, adv, beta = math.exp(log_w), 0.75, 0.1
+    assert replay_grad(True, log_w, adv) == pytest.approx(-adv * beta * w / (w + beta) ** 2, rel=1e-12)
+    assert replay_grad(False, log_w, adv) == pytest.approx(-adv * w, rel=1e-12)
+
+
+def test_is_correction_switch_picks_recorded_or_current_old_logprobs():
+    old = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]])
+    recorded = torch.tensor([[-3.0, -4.0], [-3.5, -2.5]])
+    replay = torch.tensor([True, False])
+    on = select_behaviour_logprobs(old, recorded, replay, exp_is_correct=True)
+    torch.testing.assert_close(on, torch.tensor([[-3.0, -4.0], [-1.5, -0.5]]))
+    torch.testing.assert_close(select_behaviour_logprobs(old, recorded, replay, exp_is_correct=False), old)
+
+
+@pytest.mark.parametrize("rho,expected", [(0.25, 16), (0.5, 32), (0.75, 48)])
+def test_rho_sets_the_replayed_share_of_the_batch(rho, expected):
+    cfg = load_config("fidelity_cpu", [f"trainer.experience_ratio={rho}"])
+    assert num_experience_questions(cfg.trainer.train_batch_size, cfg.trainer.experience_ratio, 10_000) == expected
+    pool = filled_pool([f"trainer.experience_ratio={rho}"])
+    assert len(pool.sample(int(rho * cfg.trainer.train_batch_size), rng_seed=0)) == expected
+
+
+def _bench_module():
+    path = Path(__file__).resolve().parents[1] / "bench" / "exgrpo_vs_grpo.py"
+    spec = importlib.util.spec_from_file_location("exgrpo_vs_grpo", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_bench_variant_is_a_valid_config_override():
+    bench = _bench_module()
+    for name, overrides in {**bench.ARMS, **bench.ABLATIONS}.items():
+        cfg = load_config("fidelity_cpu", overrides)
+        assert config_errors(cfg, world_size=1) == [], name
+        if name != "exgrpo":
+            assert cfg != load_config("fidelity_cpu"), f"{name} changes nothing"
+
+
+def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
+    bench = _bench_module()
+    args = bench.parse(["--root", str(tmp_path), "--phase", "sweep", "final", "ablation", "stability"])
+    best = {"exgrpo": 5e-5, "grpo": 1e-4}
+    runs = bench.plan_runs(args, best)
+    dirs = [r.run_dir for r in runs]
+    assert len(dirs) == len(set(dirs))
+    by_phase = {p: [r for r in runs if r.phase == p] for p in bench.PHASES}
+    assert len(by_phase["sweep"]) == 2 * len(args.lrs) * len(args.sweep_seeds)
+    # final seeds already run by the sweep at the chosen rate are reused, not planned twice
+    assert len(by_phase["final"]) == 2 * len(set(args.seeds) - set(args.sweep_seeds))
+    assert len(by_phase["ablation"]) == len(bench.ABLATIONS) * len(args.ablation_seeds)
+    assert all(r.lr == best["exgrpo"] for r in by_phase["ablation"])
+    assert {r.lr for r in by_phase["stability"]} == {max(args.lrs) * args.stability_lr_factor}
+    run = by_phase["final"][0]
+    assert not run.done
+    (tmp_path / Path(run.run_dir).name).mkdir()
+    (tmp_path / Path(run.run_dir).name / "test_eval.json").write_text("{}")
+    assert run.done  # an existing run is not re-run
+    assert bench.plan_runs(args, {"exgrpo": None, "grpo": None}) == by_phase["sweep"] + by_phase["stability"]
