@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv, preemption)
     except BaseException as exc:
-        if preemption.received_signal is None or isinstance(exc, SystemExit):
+        # only start-up: a failure in training after a step-boundary stop is a real failure, not a requeue
+        if not preemption.interrupted_startup or isinstance(exc, SystemExit):
             raise
         cause = "" if isinstance(exc, PreemptedDuringStartup) else f" ({type(exc).__name__}: {exc})"
         print(f"exgrpo-train: preempted during start-up by signal {preemption.received_signal}{cause}; "

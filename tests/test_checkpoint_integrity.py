@@ -177,8 +177,11 @@ def test_retention_never_deletes_because_of_an_unverified_checkpoint(tmp_path):
         (d / L.ROOT_MANIFEST).write_text("{}")
     newest = ckpt_dir / L.step_dir_name(4)
     # only the newest is verified: with keep_last=2 nothing may go
-    assert L.apply_retention(ckpt_dir, 2, newest, verified={4}) == []
+    def paths(*steps):
+        return {(ckpt_dir / L.step_dir_name(s)).resolve() for s in steps}
+
+    assert L.apply_retention(ckpt_dir, 2, newest, verified=paths(4)) == []
     # 3 and 4 verified: 1 and 2 may go
-    assert [p.name for p in L.apply_retention(ckpt_dir, 2, newest, verified={3, 4})] == ["step_00000001",
-                                                                                       "step_00000002"]
+    assert [p.name for p in L.apply_retention(ckpt_dir, 2, newest, verified=paths(3, 4))] == ["step_00000001",
+                                                                                           "step_00000002"]
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000003", "step_00000004"]

@@ -21,7 +21,7 @@ complete checkpoint loadable (see layout.py).
 
 Resume (load_newest_verified): newest complete `step_*` dir first; one that fails verification is named
 (file + reason), moved to `checkpoints/rejected/` and the next older one is tried. Retention counts only
-checkpoints this process has verified or written (_VERIFIED_STEPS).
+checkpoints this process has verified or written (integrity._VERIFIED).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from exgrpo_megatron.checkpoint.files import (
     write_text_durable,
 )
 from exgrpo_megatron.checkpoint.integrity import (
-    _VERIFIED_STEPS,
+    _VERIFIED,
     DIGESTS_KEY,
     SEAL_KEY,
     CheckpointVerificationError,
@@ -290,8 +290,8 @@ def save_checkpoint(
         fsync_tree(tmp_dir)  # megatron's common.pt / metadata files are not fsync'd by megatron
         L.publish(tmp_dir, final_dir)
         L.write_latest_pointer(ckpt_dir, final_dir.name)
-        _VERIFIED_STEPS.add(step)
-        L.apply_retention(ckpt_dir, keep_last, final_dir, verified=_VERIFIED_STEPS)
+        _VERIFIED.add(final_dir.resolve())
+        L.apply_retention(ckpt_dir, keep_last, final_dir, verified=_VERIFIED)
     dist.barrier()
     return final_dir
 

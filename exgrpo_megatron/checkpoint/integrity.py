@@ -24,8 +24,8 @@ from exgrpo_megatron.checkpoint.files import CheckpointFormatError, check_format
 DIGESTS_KEY = "file_digests"
 SEAL_KEY = "manifest_sha256"  # sha256 of checkpoint.json's own content (without this key), canonical JSON
 _CHUNK = 1 << 20
-# steps of this run's checkpoints that this process wrote or verified: retention trusts only these
-_VERIFIED_STEPS: set[int] = set()
+# resolved paths of the checkpoints this process wrote or verified: retention trusts only these
+_VERIFIED: set[Path] = set()
 
 
 class CheckpointVerificationError(CheckpointFormatError):
@@ -137,6 +137,5 @@ def verify_checkpoint(path: str | Path) -> dict:
     first = next((p for p in gathered if p is not None), None)
     if first is not None:
         raise CheckpointVerificationError(path, *first)
-    if path.parent.name == L.CHECKPOINTS_SUBDIR and L.step_of(path) is not None:
-        _VERIFIED_STEPS.add(L.step_of(path))
+    _VERIFIED.add(path.resolve())
     return root

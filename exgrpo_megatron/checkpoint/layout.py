@@ -136,8 +136,8 @@ def delete_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def apply_retention(ckpt_dir: Path, keep_last: int, newest: Path, verified: set[int] | None = None) -> list[Path]:
-    """Keep the `keep_last` newest VERIFIED checkpoints (`verified`: their steps; None = all complete
+def apply_retention(ckpt_dir: Path, keep_last: int, newest: Path, verified: set[Path] | None = None) -> list[Path]:
+    """Keep the `keep_last` newest VERIFIED checkpoints (`verified`: their resolved paths; None = all complete
     ones count as verified) and everything newer than the oldest of them; delete only complete
     checkpoints older than that. So an unverified checkpoint never causes a deletion, and with fewer
     than `keep_last` verified checkpoints nothing is deleted. `newest` is always kept; keep_last <= 0
@@ -145,7 +145,7 @@ def apply_retention(ckpt_dir: Path, keep_last: int, newest: Path, verified: set[
     if keep_last <= 0:
         return []
     checkpoints = complete_checkpoints(ckpt_dir)
-    trusted = [p for p in checkpoints if verified is None or step_of(p) in verified]
+    trusted = [p for p in checkpoints if verified is None or p.resolve() in verified]
     if len(trusted) < keep_last:
         return []
     oldest_kept = step_of(trusted[-keep_last])

@@ -32,9 +32,12 @@ def _broadcast_from_rank0(obj: Any) -> Any:
 def _reject(err: CheckpointVerificationError) -> None:
     """Collective: rank 0 moves the checkpoint aside and says so loudly; everyone waits for the move."""
     if dist.get_rank() == 0:
-        dest = L.move_aside(err.path, str(err))
+        try:
+            where = f"moved aside to {L.move_aside(err.path, str(err))} (not deleted)"
+        except OSError as move_err:  # e.g. a read-only file system: leave it, but never trust it
+            where = f"could not be moved aside ({move_err}); left in place"
         message = (f"exgrpo-train: CHECKPOINT REJECTED: {err.path}: {err.file}: {err.reason}\n"
-                   f"exgrpo-train:   moved aside to {dest} (not deleted); trying the next older checkpoint")
+                   f"exgrpo-train:   {where}; trying the next older checkpoint")
         print(message, file=sys.stderr, flush=True)
         warnings.warn(message, stacklevel=3)
     dist.barrier()
@@ -45,8 +48,16 @@ def load_newest_verified(run_dir: str | Path, resume: str, **load_kwargs: Any) -
     keyword arguments), or None when there is none to resume from. Checkpoints that fail verification are
     moved aside and the next older one is tried; an explicitly named checkpoint dir is never moved and
     its failure raises. Raises CheckpointFormatError when checkpoints existed but none verified."""
-    candidates, explicit = L.resume_candidates(run_dir, resume) if dist.get_rank() == 0 else ([], False)
-    candidates, explicit = _broadcast_from_rank0((candidates, explicit))
+    found: tuple[list[Path], bool] | str = ([], False)
+    if dist.get_rank() == 0:
+        try:
+            found = L.resume_candidates(run_dir, resume)
+        except FileNotFoundError as err:  # every rank raises it, none waits in a collective
+            found = str(err)
+    found = _broadcast_from_rank0(found)
+    if isinstance(found, str):
+        raise FileNotFoundError(found)
+    candidates, explicit = found
     rejected: list[CheckpointVerificationError] = []
     for path in candidates:
         try:

@@ -63,6 +63,7 @@ class PreemptionHandler:
         self.received_signal: int | None = None
         self.received_at: float | None = None
         self.startup = False
+        self.interrupted_startup = False  # a signal arrived in start-up mode
         self._previous: dict[int, object] = {}
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -72,6 +73,7 @@ class PreemptionHandler:
             self.received_at = time.time()
         if self.startup:
             self.startup = False  # raise once; clean-up code on the way out is not interrupted again
+            self.interrupted_startup = True
             raise PreemptedDuringStartup(signum)
 
     def install(self, startup: bool = False) -> PreemptionHandler:
