@@ -87,3 +87,17 @@ def test_sigterm_from_outside_as_soon_as_the_handler_is_there_exits_75(tmp_path,
     code = reap(proc, TIMEOUT_S)
     assert code == REQUEUE_EXIT_CODE, log_tail([proc])
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_data_set_without_usable_rows_exits_2_at_startup_with_counts(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b"\xff\xfe\n{not json\n" + b'{"prompt": "q"}\n')
+    run_dir = tmp_path / "run"
+    proc = _start("none", run_dir, str(data), "empty")
+    code = reap(proc, TIMEOUT_S)
+    log = proc.log_path.read_text()
+    assert code == 2, log_tail([proc])
+    assert f"no usable row in ['{data}'] (3 rows read)" in log
+    assert "1 malformed: not valid UTF-8" in log and "1 malformed: JSON decode error" in log
+    assert "1 malformed: missing field 'reward_model'" in log
+    assert not (run_dir / "checkpoints").exists()
