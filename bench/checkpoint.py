@@ -5,9 +5,11 @@ megatron DDP + get_megatron_optimizer(adam) after one step so the Adam moments e
 has the real pool's state layout (experience/shard.py state_dict) at Q questions, 2 trajectories per
 question of 64 tokens: qids/buckets/traj_counts int64 [Q]; traj_lengths/traj_steps int64 [2Q];
 token_ids int32 [128Q]; logprobs float32 [128Q]; retired_ids int64 [Q/10]. Save = the full atomic
-protocol (dist_checkpointing + pool + RNG + fsync + rename + latest); load = verify checksums + load
-model/optimizer + all pool shards + RNG. Wall time (perf_counter); the box is shared, so treat the
-times as upper bounds.
+protocol (dist_checkpointing + pool + RNG + per-file sha256 + fsync + rename + latest); load = verify
+every file (size + streaming sha256, integrity.py) + load model/optimizer + all pool shards + RNG;
+verify = the verification alone (verify_checkpoint), timed side by side with the load in the same
+repeat, so `verify/load` is the share of the load spent verifying. Wall time (perf_counter); the box is
+shared, so treat the times as upper bounds and compare the ratio.
 
     python bench/checkpoint.py          # writes bench/results/checkpoint.json
 """
@@ -64,7 +66,7 @@ def main() -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from exgrpo_megatron.checkpoint import load_checkpoint, model_config_to_yaml, save_checkpoint
+    from exgrpo_megatron.checkpoint import load_checkpoint, model_config_to_yaml, save_checkpoint, verify_checkpoint
     from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
     from exgrpo_megatron.distributed.runtime import destroy_distributed, init_distributed
     from exgrpo_megatron.model.builder import build_gpt_model, causal_attention_mask
@@ -86,7 +88,7 @@ def main() -> None:
     for n_questions in QUESTION_COUNTS:
         shard = pool_shard(n_questions)
         pool_array_bytes = sum(a.nbytes for a in shard[0].values())
-        save_s, load_s = [], []
+        save_s, load_s, verify_s = [], [], []
         for repeat in range(REPEATS):
             with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as run_dir:
                 t0 = time.perf_counter()
@@ -97,25 +99,31 @@ def main() -> None:
                 )
                 save_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
+                verify_checkpoint(path)
+                verify_s.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
                 loaded = load_checkpoint(path, model_chunks=[gpt], model_config=model_config, optimizer=optimizer)
                 load_s.append(time.perf_counter() - t0)
                 assert loaded.pool_shards[0][0]["token_ids"].shape == shard[0]["token_ids"].shape
                 sizes = {"model_dir_bytes": tree_bytes(path / "model"), "pool_dir_bytes": tree_bytes(path / "pool"),
                          "total_bytes": tree_bytes(path)}
-            print(f"  questions={n_questions} repeat={repeat}: save {save_s[-1]:.2f}s load {load_s[-1]:.2f}s",
-                  flush=True)
+            print(f"  questions={n_questions} repeat={repeat}: save {save_s[-1]:.2f}s load {load_s[-1]:.2f}s "
+                  f"(verify alone {verify_s[-1]:.2f}s)", flush=True)
         rows.append({"questions": n_questions, "trajectories": n_questions * TRAJ_PER_QUESTION,
                      "pool_array_bytes": pool_array_bytes, "save_s_min": min(save_s), "load_s_min": min(load_s),
-                     "save_s_all": save_s, "load_s_all": load_s, **sizes})
+                     "verify_s_min": min(verify_s), "verify_over_load": min(verify_s) / min(load_s),
+                     "verify_mib_per_s": sizes["total_bytes"] / 2**20 / min(verify_s),
+                     "save_s_all": save_s, "load_s_all": load_s, "verify_s_all": verify_s, **sizes})
     destroy_distributed()
 
     print(f"\nmodel params {n_params:,} (fp32) + Adam; pool: {TRAJ_PER_QUESTION} traj/question x {TOKENS} tokens")
     print(f"{'questions':>10} {'pool MiB':>9} {'model/ MiB':>10} {'pool/ MiB':>9} {'total MiB':>9} "
-          f"{'save s':>7} {'load s':>7}  (min of {REPEATS})")
+          f"{'save s':>7} {'load s':>7} {'verify s':>8} {'verify/load':>11}  (min of {REPEATS}; load includes verify)")
     for r in rows:
         print(f"{r['questions']:>10,} {r['pool_array_bytes'] / 2**20:>9.1f} {r['model_dir_bytes'] / 2**20:>10.2f} "
               f"{r['pool_dir_bytes'] / 2**20:>9.1f} {r['total_bytes'] / 2**20:>9.1f} "
-              f"{r['save_s_min']:>7.2f} {r['load_s_min']:>7.2f}")
+              f"{r['save_s_min']:>7.2f} {r['load_s_min']:>7.2f} {r['verify_s_min']:>8.3f} "
+              f"{r['verify_over_load']:>11.2f}")
     out = Path(__file__).resolve().parent / "results" / "checkpoint.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({

@@ -14,11 +14,11 @@ import torch
 
 from exgrpo_megatron.checkpoint import (
     REQUEUE_EXIT_CODE,
+    LoadedCheckpoint,
     PreemptionHandler,
-    load_checkpoint,
     load_model_weights,
+    load_newest_verified,
     model_config_to_yaml,
-    resolve_resume,
     save_checkpoint,
 )
 from exgrpo_megatron.components import Components
@@ -41,10 +41,14 @@ class RunState:
     last_saved: int = field(default=-1)
 
     @classmethod
-    def start(cls, c: Components) -> RunState:
+    def start(cls, c: Components, preemption: PreemptionHandler | None = None) -> RunState:
+        """Resume (newest verified checkpoint) or initialise. `preemption`: the handler installed at process
+        start (start-up mode: a signal aborts start-up); switched here to the step-boundary mode."""
         cfg = c.cfg
         state = cls(c)
-        resume = resolve_resume(cfg.logging.run_dir, cfg.checkpoint.resume)
+        resume = load_newest_verified(cfg.logging.run_dir, cfg.checkpoint.resume, model_chunks=c.policy.modules,
+                                      model_config=cfg.model, optimizer=c.policy.optimizer,
+                                      opt_param_scheduler=c.policy.scheduler)
         if resume is not None:
             state.load(resume)
         elif cfg.checkpoint.init_from or cfg.trainer.sft_warm_start_steps > 0:
@@ -59,7 +63,7 @@ class RunState:
                                      resume_step=state.step if resume is not None else None)
         state.progress = ProgressBar(cfg.trainer.total_steps, start_step=state.step,
                                      enabled=main and cfg.logging.progress_bar)
-        state.preemption = PreemptionHandler().install()
+        state.preemption = (preemption or PreemptionHandler().install()).finish_startup()
         return state
 
     # ------------------------------------------------------------------ checkpoint
@@ -84,10 +88,9 @@ class RunState:
         if c.layout.rank == 0:
             print(f"exgrpo-train: saved checkpoint {path}", file=sys.stderr)
 
-    def load(self, path) -> None:
+    def load(self, loaded: LoadedCheckpoint) -> None:
+        """Take the trainer state and pool shards of a loaded (model, optimizer, RNG: already) checkpoint."""
         c = self.c
-        loaded = load_checkpoint(path, model_chunks=c.policy.modules, model_config=c.cfg.model,
-                                 optimizer=c.policy.optimizer, opt_param_scheduler=c.policy.scheduler)
         ts = loaded.trainer_state
         self.step = self.last_saved = int(ts["step"])
         self.collected_once = bool(ts["collected_once"])
@@ -98,7 +101,7 @@ class RunState:
             states = [{"arrays": arrays, "meta": meta} for arrays, meta in loaded.pool_shards]
             c.pool.load_state_dicts(states)
         if c.layout.rank == 0:
-            print(f"exgrpo-train: resumed from {path} at step {self.step}", file=sys.stderr)
+            print(f"exgrpo-train: resumed from {loaded.path} at step {self.step}", file=sys.stderr)
 
     # ------------------------------------------------------------------ per step
     def finish_step(self, step: int, metrics: dict) -> None:

@@ -3,8 +3,11 @@
     exgrpo-train --config-name exgrpo_7b trainer.experience_ratio=0.25 ++parallel.tensor_model_parallel_size=4
     exgrpo-train --config-name exgrpo_7b --dry-run --world-size 16     # validate + print the plan, no model
 
-Every rank runs this same entry point (torchrun or srun). The config is composed and validated
-before any process group exists; an invalid config exits with status 2 and `key: reason` lines.
+Every rank runs this same entry point (torchrun or srun). The preemption handler is installed first
+(before any slow import): SIGTERM / SIGUSR1 at any moment of start-up exits REQUEUE_EXIT_CODE (75). The
+config is composed and validated (values and the paths the run reads) before any process group exists;
+an invalid config exits with status 2 and `key: value: reason` lines, as does a data set left without
+usable rows.
 """
 
 from __future__ import annotations
@@ -12,9 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.config.validate import ConfigError, validate
-from exgrpo_megatron.distributed.launch_env import launch_env
+from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptedDuringStartup, PreemptionHandler
 
 EXIT_INVALID_CONFIG = 2
 
@@ -31,6 +32,25 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    preemption = PreemptionHandler().install(startup=True)
+    try:
+        return _main(argv, preemption)
+    except BaseException as exc:
+        # only start-up: a failure in training after a step-boundary stop is a real failure, not a requeue
+        if not preemption.interrupted_startup or isinstance(exc, SystemExit):
+            raise
+        cause = "" if isinstance(exc, PreemptedDuringStartup) else f" ({type(exc).__name__}: {exc})"
+        print(f"exgrpo-train: preempted during start-up by signal {preemption.received_signal}{cause}; "
+              f"exiting with {REQUEUE_EXIT_CODE} to be requeued", file=sys.stderr)
+        return REQUEUE_EXIT_CODE
+
+
+def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
+    from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.config.validate import ConfigError, validate
+    from exgrpo_megatron.data.datasets import EmptyDatasetError
+    from exgrpo_megatron.distributed.launch_env import launch_env
+
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     world_size = args.world_size or launch_env().world_size
     try:
@@ -49,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     cpu_shims.apply()  # before megatron-core is imported: its known CPU warnings are filtered (no-op on GPU)
     from exgrpo_megatron.trainer import run_training
 
-    return run_training(cfg)
+    try:
+        return run_training(cfg, preemption)
+    except EmptyDatasetError as exc:
+        print(f"exgrpo-train: {exc}", file=sys.stderr)
+        return EXIT_INVALID_CONFIG
 
 
 if __name__ == "__main__":

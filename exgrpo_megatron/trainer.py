@@ -19,6 +19,7 @@ from exgrpo_megatron.algo.loss import loss_normalisers, metric_reduce_op, summar
 from exgrpo_megatron.components import Components, build_components
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import compose_step, local_groups
+from exgrpo_megatron.distributed.preemption import PreemptionHandler
 from exgrpo_megatron.distributed.runtime import init_distributed
 from exgrpo_megatron.experience.types import GroupOutcome
 from exgrpo_megatron.logging.startup import startup_block
@@ -137,15 +138,22 @@ def group_outcomes(groups, samples, rewards, step: int, collect: bool) -> list[G
     return out
 
 
-def run_training(cfg: RootConfig) -> int:
-    """Train to `trainer.total_steps`; returns the process exit code (requeue code on preemption)."""
+def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None) -> int:
+    """Train to `trainer.total_steps`; returns the process exit code (requeue code on preemption).
+    `preemption`: the handler installed in start-up mode at process start (train.main), else one is here;
+    a signal during start-up raises PreemptedDuringStartup (distributed/preemption.py)."""
+    preemption = preemption or PreemptionHandler().install(startup=True)
     p = cfg.parallel
     layout = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                               p.virtual_pipeline_model_parallel_size, p.context_parallel_size, seed=cfg.seed)
     if layout.rank == 0:
         print(startup_block(cfg, layout), flush=True)
     c = build_components(cfg, layout)
-    state = RunState.start(c)
+    try:
+        state = RunState.start(c, preemption)
+    except BaseException:
+        c.grader.close()
+        raise
     try:
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
             metrics = train_step(c, state, step)

@@ -48,10 +48,10 @@ exgrpo_export_dist_env() {
 }
 
 # The exit code with which the trainer says "checkpoint saved after SIGUSR1/SIGTERM, requeue me":
-# REQUEUE_EXIT_CODE in exgrpo_megatron/checkpoint/signals.py, read from the source (no Python needed
+# REQUEUE_EXIT_CODE in exgrpo_megatron/distributed/preemption.py, read from the source (no Python needed
 # on the batch host, which may lack the container's environment); 75 (EX_TEMPFAIL) if unreadable.
 exgrpo_requeue_exit_code() {
-  local signals_py=${1:-.}/exgrpo_megatron/checkpoint/signals.py code=""
+  local signals_py=${1:-.}/exgrpo_megatron/distributed/preemption.py code=""
   if [[ -r $signals_py ]]; then
     code=$(sed -n 's/^REQUEUE_EXIT_CODE[[:space:]]*=[[:space:]]*\([0-9][0-9]*\).*/\1/p' "$signals_py")
   fi

@@ -25,7 +25,7 @@
 #
 # Time limit and requeue: Slurm sends SIGUSR1 to every training process 300 s before the limit
 # (--signal=USR1@300, no B: so the tasks get it); the trainer saves a checkpoint at the next step
-# boundary and exits with REQUEUE_EXIT_CODE (exgrpo_megatron/checkpoint/signals.py); this script
+# boundary and exits with REQUEUE_EXIT_CODE (exgrpo_megatron/distributed/preemption.py); this script
 # then runs `scontrol requeue`, and the requeued job (same job id, so same RUN_NAME) resumes with
 # checkpoint.resume=auto. Preemption is requeued by Slurm (--requeue) and resumes the same way.
 # Save-and-requeue by hand: `scancel --signal=USR1 <job id>`; stop for good: `scancel <job id>`.

@@ -288,10 +288,11 @@ def test_errors_retention_and_latest_pointer(tmp_path):
     _assert_pool_equal((real["restored"]["arrays"], real["restored"]["meta"]),
                        (real["saved"]["arrays"], real["saved"]["meta"]))
 
-    # `latest` semantics (pure filesystem): pointer wins; missing/corrupt/stale -> newest complete
+    # `latest` is only a hint (pure filesystem): the newest complete step dir wins, whatever the pointer says
+    # (a kill between the rename and the pointer update must not cost the newest checkpoint)
     ckpt_dir = L.checkpoints_dir(run_dir)
     (ckpt_dir / "latest").write_text("step_00000002\n")
-    assert find_latest(run_dir) == ckpt_dir / "step_00000002"
+    assert find_latest(run_dir) == ckpt_dir / "step_00000003"
     for bad in ("garbage\x00", "step_00000099", ""):
         (ckpt_dir / "latest").write_text(bad)
         assert find_latest(run_dir) == ckpt_dir / "step_00000003"

@@ -26,7 +26,7 @@ def test_overrides_apply_and_defaults_follow_the_paper():
     assert (cfg.rollout.n, cfg.optim.lr, cfg.algo.shaping_beta, cfg.algo.entropy_coeff) == (8, 1e-6, 0.1, 0.001)
     assert (cfg.trainer.experience_start_sratio, cfg.trainer.experience_rbound, cfg.trainer.total_steps) == (
         0.35, 7, 701)
-    validate(cfg, 8)
+    validate(cfg, 8, check_paths=False)  # the preset's model and data are not on this machine
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,7 @@ def _fake_bin(tmp_path: Path) -> Path:
 
 
 def _expected_requeue_code() -> int:
-    from exgrpo_megatron.checkpoint.signals import REQUEUE_EXIT_CODE
+    from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE
 
     return int(REQUEUE_EXIT_CODE)
 
@@ -182,6 +182,27 @@ def test_two_rank_gloo_run_through_slurm_env(tmp_path: Path) -> None:
 
 # --- the launch flow under a faked Slurm -------------------------------------------------------------
 
+def _preset_inputs(tmp_path: Path) -> tuple[dict[str, str], list[str]]:
+    """Stand-ins for the paths a GPU preset reads (validated at start-up, in the dry run too): an HF dir
+    through EXGRPO_HF_DIR, and data files as overrides. Returns (env, overrides)."""
+    hf = tmp_path / "hf_model"
+    hf.mkdir(exist_ok=True)
+    files = []
+    for name in ("openr1.parquet", "valid.parquet"):
+        (tmp_path / name).touch()
+        files.append(str(tmp_path / name))
+    return {"EXGRPO_HF_DIR": str(hf)}, [f"data.train_files=[{files[0]}]", f"data.val_files=[{files[1]}]"]
+
+
+@pytest.fixture
+def preset_paths(tmp_path: Path, monkeypatch) -> list[str]:
+    """_preset_inputs for in-process runs: the env is set, the data overrides are returned."""
+    env, overrides = _preset_inputs(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return overrides
+
+
 def _run_script(tmp_path: Path, script: str, args: list[str], nnodes: int, srun_exit: int = 0,
                 extra_env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
     log = tmp_path / "slurm.log"
@@ -199,7 +220,9 @@ def _run_script(tmp_path: Path, script: str, args: list[str], nnodes: int, srun_
 
 def test_7b_script_dry_runs_then_launches_and_requeues(tmp_path: Path) -> None:
     code = _expected_requeue_code()
-    result, calls = _run_script(tmp_path, "exgrpo_7b.sh", ["trainer.val_every=5"], nnodes=2, srun_exit=code)
+    env, data = _preset_inputs(tmp_path)
+    result, calls = _run_script(tmp_path, "exgrpo_7b.sh", [*data, "trainer.val_every=5"], nnodes=2, srun_exit=code,
+                                extra_env=env)
     assert result.returncode == 0, result.stderr
     sruns = [c[1:] for c in calls if c[0] == "srun"]
     assert len(sruns) == 2
@@ -208,7 +231,7 @@ def test_7b_script_dry_runs_then_launches_and_requeues(tmp_path: Path) -> None:
     assert "--ntasks=1" in dry and dry[dry.index("--world-size") + 1] == "16" and "--dry-run" in dry
     assert {"--nodes=2", "--ntasks=16", "--ntasks-per-node=8"} <= set(train)
     assert train[train.index("--config-name") + 1] == "exgrpo_7b" and "--dry-run" not in train
-    assert train[-3:] == [f"logging.run_dir={run_dir}", "checkpoint.resume=auto", "trainer.val_every=5"]
+    assert train[-5:] == [f"logging.run_dir={run_dir}", "checkpoint.resume=auto", *data, "trainer.val_every=5"]
     envs = [c for c in calls if c[0] == "env"]
     assert envs[-1][1:] == ["MASTER_ADDR=node007", f"MASTER_PORT={20000 + 4242}", "RANK=unset"]
     assert ["scontrol", "requeue 4242"] in calls
@@ -217,8 +240,9 @@ def test_7b_script_dry_runs_then_launches_and_requeues(tmp_path: Path) -> None:
 
 
 def test_generic_script_takes_config_name_and_does_not_requeue_a_crash(tmp_path: Path) -> None:
-    result, calls = _run_script(tmp_path, "exgrpo.sh", ["--config-name", "exgrpo_1_5b"], nnodes=1, srun_exit=3,
-                                extra_env={"CONTAINER_IMAGE": "nvcr.io/x/y:1", "RUN_NAME": "my-run"})
+    env, data = _preset_inputs(tmp_path)
+    result, calls = _run_script(tmp_path, "exgrpo.sh", ["--config-name", "exgrpo_1_5b", *data], nnodes=1, srun_exit=3,
+                                extra_env={"CONTAINER_IMAGE": "nvcr.io/x/y:1", "RUN_NAME": "my-run", **env})
     assert result.returncode == 3
     train = [c[1:] for c in calls if c[0] == "srun"][-1]
     assert "--container-image=nvcr.io/x/y:1" in train and "--ntasks=8" in train
@@ -239,7 +263,9 @@ def test_batch_shell_forwards_signals(tmp_path: Path, signal_name: str, requeued
            "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "n1", "FAKE_HOSTNAMES": "n1", "SLURM_SUBMIT_DIR": str(REPO),
            "RUN_ROOT": str(tmp_path / "runs"), "VENV": str(Path(sys.executable).parents[1]),
            "FAKE_SLURM_LOG": str(log), "FAKE_SRUN_EXIT": str(code), "FAKE_SRUN_WAIT": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(["bash", str(REPO / "slurm" / "exgrpo_7b.sh")], cwd=tmp_path, env=env,
+    inputs_env, data = _preset_inputs(tmp_path)
+    env.update(inputs_env)
+    proc = subprocess.Popen(["bash", str(REPO / "slurm" / "exgrpo_7b.sh"), *data], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -272,7 +298,7 @@ def test_every_preset_resolves_and_validates(preset: str) -> None:
     overrides = ["checkpoint.init_from=/ckpt/start"] if preset == "exgrpo_continual" else []
     world = 1 if preset == "demo_cpu" else 8
     cfg = load_config(preset, overrides)
-    validate(cfg, world)
+    validate(cfg, world, check_paths=False)  # the presets' models and data are not on this machine
     report = dry_run_report(cfg, world)
     assert "WARNING" not in report, report
 
@@ -325,8 +351,8 @@ def test_parameter_count(preset: str, reference: tuple, published: float) -> Non
 
 
 @pytest.mark.parametrize("world", [8, 16])
-def test_7b_dry_run_cli(world: int, capsys) -> None:
-    assert train_main(["--config-name", "exgrpo_7b", "--dry-run", "--world-size", str(world)]) == 0
+def test_7b_dry_run_cli(world: int, capsys, preset_paths) -> None:
+    assert train_main(["--config-name", "exgrpo_7b", "--dry-run", "--world-size", str(world), *preset_paths]) == 0
     out = capsys.readouterr().out
     assert f"TP=2  PP=1  CP=1  DP={world // 2}  VPP=-" in out
     assert "7,615,616,512 parameters" in out
@@ -352,9 +378,9 @@ def test_7b_memory_estimate_matches_formulas() -> None:
     assert m8.generation_peak < 80 * GIB
 
 
-def test_dry_run_warns_when_a_layout_does_not_fit(capsys) -> None:
+def test_dry_run_warns_when_a_layout_does_not_fit(capsys, preset_paths) -> None:
     args = ["--config-name", "exgrpo_7b", "--dry-run", "--world-size", "8",
-            "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false"]
+            "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false", *preset_paths]
     assert train_main(args) == 0
     assert "WARNING: training estimate" in capsys.readouterr().out
 

@@ -80,8 +80,9 @@ def install_pool_dump(run_dir: str) -> None:
 
     real_load = RunState.load
 
-    def load_and_dump(self: RunState, path) -> None:
-        real_load(self, path)
+    def load_and_dump(self: RunState, loaded) -> None:
+        real_load(self, loaded)
+        path = loaded.path
         state = self.c.pool.state_dict()
         stem = Path(run_dir) / f"pool_after_load_rank{self.c.layout.rank}"
         np.savez(f"{stem}.npz", **state["arrays"])

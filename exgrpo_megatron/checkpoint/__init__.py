@@ -1,6 +1,7 @@
 """Checkpoints: atomic, durable, reshardable save/load of model, optimizer, pool, RNG and trainer
-state (checkpointer.py), the run-directory layout and `latest` pointer (layout.py), and preemption
-signals (signals.py)."""
+state (checkpointer.py), per-file size + sha256 verification (integrity.py), resume from the newest
+checkpoint that verifies (resume.py), the run-directory layout and `latest` pointer (layout.py); the
+preemption handler (distributed/preemption.py) is re-exported here."""
 
 from exgrpo_megatron.checkpoint.checkpointer import (
     CheckpointSaveError,
@@ -13,13 +14,16 @@ from exgrpo_megatron.checkpoint.checkpointer import (
 )
 from exgrpo_megatron.checkpoint.compat import IncompatibleCheckpointError, model_config_to_yaml
 from exgrpo_megatron.checkpoint.files import CheckpointFormatError
+from exgrpo_megatron.checkpoint.integrity import CheckpointVerificationError, verify_checkpoint
 from exgrpo_megatron.checkpoint.layout import checkpoints_dir, find_latest, resolve_resume
-from exgrpo_megatron.checkpoint.signals import REQUEUE_EXIT_CODE, PreemptionHandler
+from exgrpo_megatron.checkpoint.resume import load_newest_verified
+from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 
 __all__ = [
     "REQUEUE_EXIT_CODE",
     "CheckpointFormatError",
     "CheckpointSaveError",
+    "CheckpointVerificationError",
     "IncompatibleCheckpointError",
     "InsufficientDiskSpaceError",
     "LoadedCheckpoint",
@@ -28,8 +32,10 @@ __all__ = [
     "find_latest",
     "load_checkpoint",
     "load_model_weights",
+    "load_newest_verified",
     "model_config_to_yaml",
     "resolve_resume",
     "save_checkpoint",
     "save_model_weights",
+    "verify_checkpoint",
 ]

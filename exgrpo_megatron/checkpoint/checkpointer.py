@@ -8,14 +8,20 @@ Layout (shared/ckpt_layout.md), inside `<run_dir>/checkpoints/step_XXXXXXXX/`:
     config.yaml            the full resolved run config
     pool/                  experience-pool shards, one per DP replica (pool_io.py)
     state/trainer_state.json, state/opt_param_scheduler.json, state/rng/rank_*.{json,safetensors}
-    checkpoint.json        root manifest, written last: format version, step, process layout, and the
-                           sha256 of every file above that is not megatron's
+    checkpoint.json        root manifest, written last: format version, step, process layout, the
+                           sha256 of every file above that is not megatron's, and "file_digests": size +
+                           sha256 of EVERY file of the checkpoint (integrity.py), verified on load
 
 Protocol (collective; every rank calls save_checkpoint): preflight (disk space, inputs) decided on rank 0
 and broadcast, so all ranks fail together -> rank 0 removes stale `.tmp_*` dirs and creates
-`.tmp_step_X/` -> everyone writes into it (each file fsync'd by its writer) -> barrier -> rank 0 writes
-checkpoint.json, fsyncs the tree, renames to `step_X`, replaces `latest` atomically, applies retention.
-A process killed at any instant leaves the previous complete checkpoint loadable (see layout.py).
+`.tmp_step_X/` -> everyone writes into it (each file fsync'd by its writer) -> barrier -> every rank
+hashes its share of the files -> rank 0 writes checkpoint.json, fsyncs the tree, renames to `step_X`,
+replaces `latest` atomically, applies retention. A process killed at any instant leaves the previous
+complete checkpoint loadable (see layout.py).
+
+Resume (load_newest_verified): newest complete `step_*` dir first; one that fails verification is named
+(file + reason), moved to `checkpoints/rejected/` and the next older one is tried. Retention counts only
+checkpoints this process has verified or written (integrity._VERIFIED).
 """
 
 from __future__ import annotations
@@ -35,12 +41,23 @@ from exgrpo_megatron.checkpoint.compat import check_model_compatible
 from exgrpo_megatron.checkpoint.files import (
     FORMAT_VERSION,
     CheckpointFormatError,
-    check_format_version,
     directory_size_bytes,
     fsync_tree,
     read_verified,
     write_json_durable,
     write_text_durable,
+)
+from exgrpo_megatron.checkpoint.integrity import (
+    _VERIFIED,
+    DIGESTS_KEY,
+    SEAL_KEY,
+    CheckpointVerificationError,
+    digest_files,
+    list_files,
+    manifest_seal,
+    my_share,
+    read_root_manifest,  # noqa: F401 - re-exported: callers read manifests from here
+    verify_checkpoint,
 )
 from exgrpo_megatron.checkpoint.model_state import (
     load_model_and_optimizer,
@@ -89,6 +106,7 @@ class LoadedCheckpoint:
     config_yaml: str | None
     model_config_yaml: str
     rng_restored: bool
+    rejected: list[CheckpointVerificationError] | None = None  # newer checkpoints that failed verification
 
 
 # ----------------------------------------------------------------------------- process layout
@@ -263,29 +281,22 @@ def save_checkpoint(
             "rng": {str(r): e for r, e in enumerate(rng_entries)},
         }
     dist.barrier()  # every rank's files are written and fsync'd by their writers
+    names = _broadcast_from_rank0(list_files(tmp_dir) if rank == 0 else None)
+    digests = _all_gather(digest_files(tmp_dir, my_share(names, rank, dist.get_world_size())))
     if rank == 0:
+        root[DIGESTS_KEY] = {name: entry for share in digests for name, entry in share.items()}
+        root[SEAL_KEY] = manifest_seal(root)
         write_json_durable(tmp_dir / L.ROOT_MANIFEST, root)
         fsync_tree(tmp_dir)  # megatron's common.pt / metadata files are not fsync'd by megatron
         L.publish(tmp_dir, final_dir)
         L.write_latest_pointer(ckpt_dir, final_dir.name)
-        L.apply_retention(ckpt_dir, keep_last, final_dir)
+        _VERIFIED.add(final_dir.resolve())
+        L.apply_retention(ckpt_dir, keep_last, final_dir, verified=_VERIFIED)
     dist.barrier()
     return final_dir
 
 
 # ----------------------------------------------------------------------------- load
-
-
-def read_root_manifest(path: Path) -> dict:
-    manifest_path = path / L.ROOT_MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointFormatError(f"{path} is not a complete trainer checkpoint: {L.ROOT_MANIFEST} is missing")
-    try:
-        root = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointFormatError(f"checkpoint manifest is corrupted: {manifest_path}: {err}") from err
-    check_format_version(root.get("format_version"), manifest_path)
-    return root
 
 
 def load_checkpoint(
@@ -300,13 +311,14 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Load a trainer checkpoint into this layout (any TP/PP/DP). Collective.
 
-    Order: manifest + checksums + architecture check + pool shards (cheap, fail early with the file
+    Order: verify every file (size + sha256, streaming, split over the ranks: verify_checkpoint) ->
+    manifest + checksums + architecture check + pool shards (cheap, fail early with the file
     named) -> model/optimizer via dist_checkpointing -> LR scheduler (progress from the checkpoint,
     schedule from the config: scheduler_state.py) -> RNG (only when the process layout is identical;
     otherwise a warning, and the caller's fresh seeding stays).
     """
     path = Path(path)
-    root = read_root_manifest(path)
+    root = verify_checkpoint(path)
     files = root["files"]
     model_config_yaml = read_verified(path / MODEL_CONFIG_FILE, files[MODEL_CONFIG_FILE]).decode("utf-8")
     check_model_compatible(model_config_yaml, model_config, str(path))
@@ -356,6 +368,8 @@ def load_model_weights(path: str | Path, model_chunks: list, *, model_config: Mo
     Collective. Call it before building the optimizer, or call `optimizer.reload_model_params()` after,
     so 16-bit models' fp32 master weights pick the new values up."""
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"weights-only checkpoint {path} does not exist (or is not a directory)")
     if model_config is not None:
         config_path = path / MODEL_CONFIG_FILE
         if not config_path.is_file():

@@ -1,13 +1,17 @@
 """Where checkpoints live in a run directory, which one is the newest complete one, and retention.
 
-    <run_dir>/checkpoints/latest          text: name of the newest COMPLETE checkpoint dir
+    <run_dir>/checkpoints/latest          text: name of the newest checkpoint dir written (a hint for people
+                                          and tools; resume does not trust it)
     <run_dir>/checkpoints/step_00000050/  complete (created as .tmp_step_00000050, then renamed)
     <run_dir>/checkpoints/.tmp_*          incomplete or being deleted: ignored, removed at the next save
+    <run_dir>/checkpoints/rejected/       checkpoints that failed verification, moved aside (never deleted),
+                                          each with a step_X.reason.txt
 
 Crash safety: a directory only ever gets a `step_*` name through one atomic rename after all its
 files are fsync'd, and leaves that name (before deletion) through another rename to `.tmp_*`. So at
-any instant every `step_*` directory is complete, and `latest` (replaced atomically) either names
-one of them or is stale/missing, in which case the newest `step_*` directory is used.
+any instant every `step_*` directory is complete. Resume takes the newest `step_*` directory that verifies
+(checkpointer.load_newest_verified), whatever `latest` says: a kill between the rename and the pointer
+update would otherwise cost the steps since the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ CHECKPOINTS_SUBDIR = "checkpoints"
 LATEST_FILE = "latest"
 ROOT_MANIFEST = "checkpoint.json"  # written last inside a checkpoint: marks a trainer checkpoint
 TMP_PREFIX = ".tmp_"
+REJECTED_SUBDIR = "rejected"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
@@ -53,38 +58,54 @@ def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def find_latest(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run: the one `latest` names if that is a complete
-    checkpoint, else (pointer missing, corrupt or stale) the complete `step_*` dir with the highest step."""
-    ckpt_dir = checkpoints_dir(run_dir)
-    pointer = ckpt_dir / LATEST_FILE
-    try:
-        name = pointer.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        name = ""
-    if _STEP_DIR.match(name) and is_complete_checkpoint(ckpt_dir / name):
-        return ckpt_dir / name
-    candidates = complete_checkpoints(ckpt_dir)
+    """The newest complete checkpoint of a run: the complete `step_*` dir with the highest step (the
+    `latest` pointer is not consulted: it may be stale, missing or torn). Not verified: see
+    checkpointer.load_newest_verified."""
+    candidates = complete_checkpoints(checkpoints_dir(run_dir))
     return candidates[-1] if candidates else None
 
 
-def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
-    """`checkpoint.resume`: "auto" -> newest complete checkpoint of this run or None; "none" -> None;
-    anything else is a path: a checkpoint dir, or a run/checkpoints dir whose newest one is used."""
+def resume_candidates(run_dir: str | Path, resume: str) -> tuple[list[Path], bool]:
+    """`checkpoint.resume` -> (checkpoints to try, newest first; explicit). "auto": this run's complete
+    checkpoints; "none": nothing; a checkpoint dir: just it (explicit: no fallback); a run or checkpoints
+    dir: its complete checkpoints. FileNotFoundError for a path with no complete checkpoint."""
     mode = resume.strip()
     if mode.lower() == "auto":
-        return find_latest(run_dir)
+        return complete_checkpoints(checkpoints_dir(run_dir))[::-1], False
     if mode.lower() in ("none", "", "null", "false"):
-        return None
+        return [], False
     path = Path(mode).expanduser()
     if (path / ROOT_MANIFEST).is_file():
-        return path
+        return [path], True
     run_dir_of_path = path.parent if path.name == CHECKPOINTS_SUBDIR else path
-    latest = find_latest(run_dir_of_path)
-    if latest is None:
+    found = complete_checkpoints(checkpoints_dir(run_dir_of_path))[::-1]
+    if not found:
         raise FileNotFoundError(
             f"checkpoint.resume={resume!r}: no complete checkpoint (a dir with {ROOT_MANIFEST}) at {path}"
         )
-    return latest
+    return found, False
+
+
+def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
+    """The first checkpoint resume_candidates would try (unverified), or None."""
+    candidates, _explicit = resume_candidates(run_dir, resume)
+    return candidates[0] if candidates else None
+
+
+def move_aside(path: Path, reason: str) -> Path:
+    """Move a checkpoint that failed verification to `<checkpoints>/rejected/` (out of the `step_*`
+    namespace, never deleted) with a `<name>.reason.txt` beside it; returns its new path."""
+    rejected = path.parent / REJECTED_SUBDIR
+    rejected.mkdir(exist_ok=True)
+    dest = rejected / path.name
+    n = 1
+    while dest.exists():
+        dest, n = rejected / f"{path.name}.{n}", n + 1
+    path.rename(dest)
+    fsync_path(path.parent)
+    (rejected / f"{dest.name}.reason.txt").write_text(reason + "\n", encoding="utf-8")
+    fsync_path(rejected)
+    return dest
 
 
 def write_latest_pointer(ckpt_dir: Path, name: str) -> None:
@@ -115,13 +136,20 @@ def delete_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def apply_retention(ckpt_dir: Path, keep_last: int, newest: Path) -> list[Path]:
-    """Keep the `keep_last` newest complete checkpoints (always including `newest`); keep_last <= 0
+def apply_retention(ckpt_dir: Path, keep_last: int, newest: Path, verified: set[Path] | None = None) -> list[Path]:
+    """Keep the `keep_last` newest VERIFIED checkpoints (`verified`: their resolved paths; None = all complete
+    ones count as verified) and everything newer than the oldest of them; delete only complete
+    checkpoints older than that. So an unverified checkpoint never causes a deletion, and with fewer
+    than `keep_last` verified checkpoints nothing is deleted. `newest` is always kept; keep_last <= 0
     keeps everything. Returns the deleted paths."""
     if keep_last <= 0:
         return []
     checkpoints = complete_checkpoints(ckpt_dir)
-    doomed = [p for p in checkpoints[:-keep_last] if p.resolve() != newest.resolve()]
+    trusted = [p for p in checkpoints if verified is None or p.resolve() in verified]
+    if len(trusted) < keep_last:
+        return []
+    oldest_kept = step_of(trusted[-keep_last])
+    doomed = [p for p in checkpoints if (step_of(p) or 0) < oldest_kept and p.resolve() != newest.resolve()]
     for path in doomed:
         delete_checkpoint(path)
     return doomed

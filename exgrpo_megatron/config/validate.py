@@ -1,11 +1,14 @@
 """Start-up validation of a resolved `RootConfig`: every error names its key and the reason.
 
 Runs before any process group exists (the world size comes from the launcher's environment or
-the dry run's `--world-size`).
+the dry run's `--world-size`). The domain of every numeric key and the paths the run reads are
+declared in config/domains.py; the relations between keys are checked here. A key whose value is out
+of its domain gets that one error (the relations involving it are not reported on top).
 """
 
 from __future__ import annotations
 
+from exgrpo_megatron.config.domains import domain_errors, path_errors
 from exgrpo_megatron.config.schema import RootConfig
 
 
@@ -146,7 +149,21 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     return e
 
 
-def validate(cfg: RootConfig, world_size: int) -> None:
-    errors = config_errors(cfg, world_size)
+def _key(error: str) -> str:
+    return error.split(":", 1)[0]
+
+
+def all_errors(cfg: RootConfig, world_size: int, check_paths: bool = True) -> list[str]:
+    """Domain errors, then relation errors for keys whose values are in their domains, then path errors."""
+    domains = domain_errors(cfg)
+    out_of_domain = {_key(e) for e in domains}
+    relations = [e for e in config_errors(cfg, world_size) if _key(e) not in out_of_domain]
+    return domains + relations + (path_errors(cfg) if check_paths else [])
+
+
+def validate(cfg: RootConfig, world_size: int, check_paths: bool = True) -> None:
+    """Raise ConfigError listing every problem. `check_paths=False` skips the existence checks of the paths
+    the run reads (for checking a preset's values on a machine without its models and data)."""
+    errors = all_errors(cfg, world_size, check_paths)
     if errors:
         raise ConfigError(errors)

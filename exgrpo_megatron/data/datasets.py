@@ -12,10 +12,12 @@ same files, on every rank, before and after a resume (the reference code also us
 §1.1).
 
 Rows are skipped, never fatal:
-* malformed (missing field, wrong type, empty question/answer, JSON decode error): ``logging.warning`` with
-  file and row, and recorded in ``dataset.malformed`` as ``(file, row, reason)``;
+* malformed (missing field, wrong type, empty question/answer, JSON decode error, a JSONL line that is not
+  valid UTF-8): ``logging.warning`` with file and row, and recorded in ``dataset.malformed`` as
+  ``(file, row, reason)``;
 * too long: the templated prompt has more than ``max_prompt_length`` tokens (counted in ``stats``).
-A missing *column* (a parquet file without ``prompt_key``) is a configuration error and raises.
+A missing *column* (a parquet file without ``prompt_key``) is a configuration error and raises; so does a
+data set left with no usable row (EmptyDatasetError, with the count per reason).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import json
 import logging
 import math
 import os
+import re
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -46,6 +50,10 @@ class TextEncoder(Protocol):
 
 class MalformedRow(ValueError):
     """A row that cannot become a PromptExample; the message is the reason."""
+
+
+class EmptyDatasetError(ValueError):
+    """No row of the data files is usable; the message counts the rows per reason."""
 
 
 @dataclass(frozen=True)
@@ -189,8 +197,14 @@ def _read_parquet(path: str, columns: list[str]) -> RowIter:
 
 
 def _read_jsonl(path: str) -> RowIter:
-    with open(path, encoding="utf-8") as fh:
-        for row, line in enumerate(fh):
+    with open(path, "rb") as fh:  # bytes: a line that is not UTF-8 is one malformed row, not a failed file
+        for row, raw in enumerate(fh):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield row, MalformedRow(f"not valid UTF-8 (line {row + 1}, byte {exc.start}: "
+                                        f"{raw[exc.start:exc.start + 4]!r})")
+                continue
             if not line.strip():
                 continue  # a blank line is a row index with no row
             try:
@@ -237,7 +251,7 @@ def count_rows(path: str) -> int:
 
         return pq.ParquetFile(path).metadata.num_rows
     if lower.endswith(JSONL_SUFFIXES):
-        with open(path, encoding="utf-8") as fh:
+        with open(path, "rb") as fh:
             return sum(1 for _ in fh)
     return sum(1 for _ in _read_json(path))
 
@@ -300,8 +314,27 @@ def load_prompt_dataset(files: Sequence[str] | str, *, prompt_key: str = "prompt
                 yield path, row, offset + row, record
             offset += count_rows(path)
 
-    return build_prompt_dataset(rows(), prompt_key=prompt_key, answer_key=answer_key, tokenizer=tokenizer,
-                                template=template, max_prompt_length=max_prompt_length, files=paths)
+    dataset = build_prompt_dataset(rows(), prompt_key=prompt_key, answer_key=answer_key, tokenizer=tokenizer,
+                                   template=template, max_prompt_length=max_prompt_length, files=paths)
+    if not len(dataset):
+        raise EmptyDatasetError(empty_dataset_message(dataset, max_prompt_length))
+    return dataset
+
+
+def reason_kind(reason: str) -> str:
+    """A malformed-row reason without its row-specific parts (line numbers, decoder detail), for counting."""
+    kind = re.sub(r"\s*\(line \d+[^)]*\)", "", reason)
+    kind = re.sub(r"^line \d+ is", "row is", kind)
+    return kind.split(": ")[0] if kind.startswith("JSON decode error") else kind
+
+
+def empty_dataset_message(dataset: PromptDataset, max_prompt_length: int) -> str:
+    s = dataset.stats
+    counts = Counter(reason_kind(reason) for _file, _row, reason in dataset.malformed)
+    lines = [f"{n} malformed: {kind}" for kind, n in counts.most_common()]
+    if s.num_too_long:
+        lines.append(f"{s.num_too_long} longer than data.max_prompt_length={max_prompt_length} tokens")
+    return (f"no usable row in {s.files} ({s.num_rows} rows read):\n  " + "\n  ".join(lines or ["no rows at all"]))
 
 
 def prompt_dataset_from_pairs(pairs: Sequence[tuple[str, str]] | Sequence[tuple[str, str, str]], *,

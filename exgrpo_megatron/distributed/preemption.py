@@ -1,8 +1,18 @@
-"""Preemption: turn SIGTERM / SIGUSR1 into a flag that every rank agrees on at a step boundary.
+"""Preemption: SIGTERM / SIGUSR1 abort start-up at once, and during training become a flag that every
+rank agrees on at a step boundary.
+
+Start-up (exgrpo_megatron.train.main installs the handler before any slow import or work: this module
+imports only the standard library): a signal raises PreemptedDuringStartup wherever the main thread is
+(config, process groups, model, vLLM engine, checkpoint load); main() turns it -- or any error that
+follows a received signal, such as a peer rank vanishing from a collective -- into REQUEUE_EXIT_CODE.
+Nothing is written during start-up except atomically (run config, metrics truncation, a new
+checkpoint's rename), so an abort leaves no partial state. Only the interpreter's own start (before
+train.py runs) is uncovered. `finish_startup()` switches to the step-boundary mode below.
 
 Usage in the trainer loop (SPMD, every rank):
 
-    handler = PreemptionHandler().install()          # main thread, before the loop
+    handler = PreemptionHandler().install()          # main thread
+    handler.finish_startup()                         # before the loop
     for step in ...:
         train_one_step()
         if handler.should_stop():                    # collective: all-reduce MAX over the world
@@ -31,32 +41,52 @@ import signal
 import time
 from types import FrameType
 
-import torch
-import torch.distributed as dist
-
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL; slurm/exgrpo.sh requeues the job on this exit status
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+class PreemptedDuringStartup(BaseException):
+    """A preemption signal arrived before the training loop started. A BaseException, so that no
+    `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"preempted during start-up by {signal.Signals(signum).name}")
+
+
 class PreemptionHandler:
-    """Records that a preemption signal arrived; `should_stop()` makes all ranks agree on it."""
+    """Records that a preemption signal arrived; `should_stop()` makes all ranks agree on it. In start-up
+    mode (`install(startup=True)` until `finish_startup()`) the signal also raises PreemptedDuringStartup."""
 
     def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
         self.signals = tuple(signals)
         self.received_signal: int | None = None
         self.received_at: float | None = None
+        self.startup = False
+        self.interrupted_startup = False  # a signal arrived in start-up mode
         self._previous: dict[int, object] = {}
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        # Only set a flag: anything heavier is unsafe inside a signal handler.
+        # Set a flag (anything heavier is unsafe inside a signal handler); in start-up mode also abort.
         if self.received_signal is None:
             self.received_signal = signum
             self.received_at = time.time()
+        if self.startup:
+            self.startup = False  # raise once; clean-up code on the way out is not interrupted again
+            self.interrupted_startup = True
+            raise PreemptedDuringStartup(signum)
 
-    def install(self) -> PreemptionHandler:
+    def install(self, startup: bool = False) -> PreemptionHandler:
         """Install the handlers (must be called from the main thread); returns self."""
+        self.startup = startup
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def finish_startup(self) -> PreemptionHandler:
+        """Leave start-up mode: from now on a signal only sets the flag, read at step boundaries. A signal
+        that arrived during start-up (already raised) stays recorded."""
+        self.startup = False
         return self
 
     def uninstall(self) -> None:
@@ -78,6 +108,9 @@ class PreemptionHandler:
     def should_stop(self) -> bool:
         """True on every rank iff any rank has received a preemption signal. Collective over the
         default process group (all-reduce MAX); call it at the same point of every step on all ranks."""
+        import torch
+        import torch.distributed as dist
+
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return self.received
         device = torch.device("cpu")
