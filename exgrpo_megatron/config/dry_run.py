@@ -156,7 +156,7 @@ def estimate_memory(cfg: RootConfig, world_size: int) -> MemoryEstimate:
     with_rc, without_rc = activation_bytes(cfg, True), activation_bytes(cfg, False)
     seq_len = d.max_prompt_length + d.max_response_length
     if r.engine == "vllm":
-        share = int(r.gpu_memory_utilization * GPU_MEMORY_GIB * GIB)
+        share = int(r.vllm.gpu_memory_utilization * GPU_MEMORY_GIB * GIB)
         vllm_weights = counts.total // tp * 2
         kv_tokens = max(share - vllm_weights, 0) // kv_bytes_per_token(m, tp, 1)
         generation = share
@@ -227,7 +227,8 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
     if r.engine == "vllm":
         seqs = cfg.trainer.train_batch_size * r.n // dp
         demand = seqs * (cfg.data.max_prompt_length + cfg.data.max_response_length)
-        lines.append(f"  vLLM share       {_gib(est.generation)}   gpu_memory_utilization {r.gpu_memory_utilization} x "
+        lines.append(f"  vLLM share       {_gib(est.generation)}   rollout.vllm.gpu_memory_utilization "
+                     f"{r.vllm.gpu_memory_utilization} x "
                      f"{GPU_MEMORY_GIB:.0f} GiB (its weight copy + KV cache)")
         lines.append(f"    KV-cache capacity ~{est.vllm_kv_tokens:,} tokens per engine "
                      f"({kv_bytes_per_token(m, p.tensor_model_parallel_size, 1):,} B/token/GPU); "

@@ -11,9 +11,14 @@ in one TP group, so a vLLM TP group is a megatron TP group and all its ranks fee
 (vLLM's torchrun contract). With megatron PP > 1, each PP stage's TP group generates a 1/PP share
 of the prompts and the shares are all-gathered over the PP group.
 
-Cycle per step (trainer): `wake()` -> `update_weights()` -> `generate()` -> `sleep()`.
+Cycle per step (trainer): `wake()` -> `generate()` (refits first if the policy's weights changed)
+-> `sleep()`. The engine never generates from stale weights: `generate()` compares the policy's
+`weights_version` (bumped by every load and every optimizer update, policy/policy.py) with the
+version it last refitted, so a new load path cannot skip the refit.
 - `sleep()` = `LLM.sleep(level)`: level 1 offloads weights to CPU and drops the KV cache;
-  level 2 drops both (cheaper, since `update_weights` always refits afterwards).
+  level 2 drops both (cheaper, since `update_weights` always refits afterwards). Where vLLM's
+  platform has no sleep mode (`current_platform.is_sleep_mode_available()`, false on the CPU build)
+  the engine is built without it and sleep/wake are no-ops (logged once).
 - `update_weights()` streams HF-named full tensors (rollout/refit.py: TP all-gather + PP broadcast
   per bucket of >= refit_bucket_mb, QKV/fc1 layout by convert.hf_mapping.megatron_to_hf, lm_head
   for tied models) into `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, which
@@ -32,8 +37,10 @@ but they are not equal to the megatron engine's samples.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -41,6 +48,15 @@ from exgrpo_megatron.rollout.megatron_engine import unwrap_model
 from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
 from exgrpo_megatron.rollout.sampling import row_seed
 from exgrpo_megatron.rollout.types import FinishReason, Sample, SamplingParams, request_seeds_for
+
+log = logging.getLogger(__name__)
+
+
+def sleep_mode_available() -> bool:
+    """Whether this vLLM build's platform supports `LLM.sleep` (CUDA: yes; the CPU build: no)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
 
 
 def finish_reason_from_vllm(finish_reason: str | None, stop_reason: int | str | None) -> FinishReason:
@@ -66,6 +82,7 @@ class VLLMRolloutEngine:
         sleep_level: int = 1,
         enforce_eager: bool = False,
         seed: int = 0,
+        weights_version: Callable[[], int] | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
         from vllm import LLM
@@ -74,6 +91,11 @@ class VLLMRolloutEngine:
         self.model_cfg = model_cfg
         self.bucket_bytes = refit_bucket_mb * 1024 * 1024
         self.sleep_level = sleep_level
+        self.weights_version = weights_version or (lambda: 0)
+        self.can_sleep = sleep_mode_available()
+        if not self.can_sleep:
+            log.warning("vLLM: sleep mode is not available on this platform; sleep()/wake() are no-ops "
+                        "(the engine keeps its weights and KV cache while the policy trains)")
         tp = ps.get_tensor_model_parallel_world_size()
         world = dist.get_world_size() if dist.is_initialized() else 1
         kwargs = {}
@@ -87,7 +109,7 @@ class VLLMRolloutEngine:
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
-            enable_sleep_mode=True,
+            enable_sleep_mode=self.can_sleep,
             enforce_eager=enforce_eager,
             load_format="dummy",  # real weights arrive by refit below
             logprobs_mode="processed_logprobs",
@@ -96,11 +118,13 @@ class VLLMRolloutEngine:
         )
         self._asleep = False
         self.tokens_per_second = 0.0
+        self.refit_seconds = 0.0  # duration of the last refit
+        self._refitted_version: int | None = None
         self.update_weights()
 
     # ---------------------------------------------------------------- memory
     def sleep(self) -> None:
-        if not self._asleep:
+        if self.can_sleep and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = True
 
@@ -112,6 +136,8 @@ class VLLMRolloutEngine:
     # ---------------------------------------------------------------- refit
     def update_weights(self) -> None:
         """Stream the policy's full weights into vLLM (all ranks of the replica call this)."""
+        start = time.perf_counter()
+        version = self.weights_version()
         if self._asleep:
             self.llm.wake_up(tags=["weights"])  # refit before re-allocating the KV cache
         weights = (pair for bucket in iter_hf_weight_buckets(self.model, self.model_cfg, self.bucket_bytes)
@@ -121,6 +147,13 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        self._refitted_version = version
+        self.refit_seconds = time.perf_counter() - start
+
+    def refit_if_stale(self) -> None:
+        """Refit when the policy's weights changed since the last refit (every rank sees the same version)."""
+        if self._refitted_version != self.weights_version():
+            self.update_weights()
 
     # ---------------------------------------------------------------- generation
     def generate(
@@ -135,6 +168,7 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         seeds = request_seeds_for(prompts, n, request_seeds)
+        self.refit_if_stale()
         start = time.perf_counter()
         pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
         mine = list(range(len(prompts)))[pp_rank::pp]
