@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from exgrpo_megatron.convert.hf_tokenizer import has_tokenizer
 from exgrpo_megatron.rollout.megatron_engine import unwrap_model
 from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
 from exgrpo_megatron.rollout.sampling import row_seed
@@ -92,6 +93,7 @@ class VLLMRolloutEngine:
         self.bucket_bytes = refit_bucket_mb * 1024 * 1024
         self.sleep_level = sleep_level
         self.weights_version = weights_version or (lambda: 0)
+        self.has_tokenizer = has_tokenizer(hf_dir)
         self.can_sleep = sleep_mode_available()
         if not self.can_sleep:
             log.warning("vLLM: sleep mode is not available on this platform; sleep()/wake() are no-ops "
@@ -114,6 +116,7 @@ class VLLMRolloutEngine:
             load_format="dummy",  # real weights arrive by refit below
             logprobs_mode="processed_logprobs",
             seed=seed,
+            skip_tokenizer_init=not self.has_tokenizer,  # prompts and outputs are token ids
             **kwargs,
         )
         self._asleep = False
@@ -168,6 +171,8 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         seeds = request_seeds_for(prompts, n, request_seeds)
+        if params.stop_strings and not self.has_tokenizer:
+            raise ValueError("stop strings need the tokenizer files in the model's HF directory (model.hf_path)")
         self.refit_if_stale()
         start = time.perf_counter()
         pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
