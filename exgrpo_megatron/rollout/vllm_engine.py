@@ -123,7 +123,7 @@ class VLLMRolloutEngine:
         )
         self._asleep = False
         self.tokens_per_second = 0.0
-        self.refit_seconds = 0.0  # duration of the last refit
+        self.refit_seconds_total = 0.0  # time spent refitting, summed over refits
         self._refitted_version: int | None = None
         self.update_weights()
 
@@ -153,7 +153,7 @@ class VLLMRolloutEngine:
             self._asleep = False
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self._refitted_version = version
-        self.refit_seconds = time.perf_counter() - start
+        self.refit_seconds_total += time.perf_counter() - start
 
     def refit_if_stale(self) -> None:
         """Refit when the policy's weights changed since the last refit (every rank sees the same version)."""
