@@ -16,8 +16,6 @@ from exgrpo_megatron.checkpoint import (
     REQUEUE_EXIT_CODE,
     LoadedCheckpoint,
     PreemptionHandler,
-    load_model_weights,
-    load_newest_verified,
     model_config_to_yaml,
     save_checkpoint,
 )
@@ -46,15 +44,11 @@ class RunState:
         start (start-up mode: a signal aborts start-up); switched here to the step-boundary mode."""
         cfg = c.cfg
         state = cls(c)
-        resume = load_newest_verified(cfg.logging.run_dir, cfg.checkpoint.resume, model_chunks=c.policy.modules,
-                                      model_config=cfg.model, optimizer=c.policy.optimizer,
-                                      opt_param_scheduler=c.policy.scheduler)
+        resume = c.policy.resume(cfg.logging.run_dir, cfg.checkpoint.resume)
         if resume is not None:
             state.load(resume)
         elif cfg.checkpoint.init_from or cfg.trainer.sft_warm_start_steps > 0:
-            init = cfg.checkpoint.init_from or warm_start_weights(cfg, c.tokenizer)
-            load_model_weights(init, c.policy.modules, model_config=cfg.model)
-            c.policy.optimizer.reload_model_params()
+            c.policy.load_weights(cfg.checkpoint.init_from or warm_start_weights(cfg, c.tokenizer))
         main = c.layout.rank == 0
         if main:
             save_resolved_config(cfg.logging.run_dir, to_yaml(cfg))

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
     from exgrpo_megatron.config.loader import load_config
-    from exgrpo_megatron.config.validate import ConfigError, validate
+    from exgrpo_megatron.config.validate import ConfigError, validate, vllm_startup_errors
     from exgrpo_megatron.data.datasets import EmptyDatasetError
     from exgrpo_megatron.distributed.launch_env import launch_env
 
@@ -64,6 +64,10 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
 
         print(dry_run_report(cfg, world_size))
         return 0
+    startup_errors = vllm_startup_errors(cfg)
+    if startup_errors:
+        print(f"exgrpo-train: {ConfigError(startup_errors)}", file=sys.stderr)
+        return EXIT_INVALID_CONFIG
     from exgrpo_megatron.distributed import cpu_shims
 
     cpu_shims.apply()  # before megatron-core is imported: its known CPU warnings are filtered (no-op on GPU)

@@ -28,7 +28,7 @@ BAD_VALUES = [
     ("rollout.top_k=0", "rollout.top_k: 0: must be in [1, inf) or -1"),
     ("trainer.sft_warm_start_steps=-1", "trainer.sft_warm_start_steps: -1: must be in [0, inf)"),
     ("rollout.val_temperature=-1", "rollout.val_temperature: -1.0: must be in [0, inf)"),
-    ("rollout.refit_bucket_mb=0", "rollout.refit_bucket_mb: 0: must be in [1, inf)"),
+    ("rollout.vllm.refit_bucket_mb=0", "rollout.vllm.refit_bucket_mb: 0: must be in [1, inf)"),
 ]
 
 MISSING_PATHS = [
@@ -83,7 +83,7 @@ def _numeric_keys(cls, prefix: str = "") -> list[str]:
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
             keys += _numeric_keys(hint, f"{prefix}{f.name}.")
-        elif {int, float} & {hint, *typing.get_args(hint)}:
+        elif typing.get_origin(hint) is not list and {int, float} & {hint, *typing.get_args(hint)}:
             keys.append(prefix + f.name)
     return keys
 

@@ -84,13 +84,14 @@ DOMAINS: dict[str, Domain] = {
     # rollout
     "rollout.n": Domain(lo=2), "rollout.temperature": POSITIVE, "rollout.top_p": PROBABILITY_MASS,
     "rollout.top_k": Domain(lo=1, extra=(-1,)), "rollout.max_batch_sequences": AT_LEAST_1,
-    "rollout.gpu_memory_utilization": UNIT_OPEN, "rollout.refit_bucket_mb": AT_LEAST_1,
+    "rollout.vllm.gpu_memory_utilization": UNIT_OPEN, "rollout.vllm.refit_bucket_mb": AT_LEAST_1,
+    "rollout.vllm.max_model_len": Domain(lo=1, none_ok=True), "rollout.vllm.sleep_level": Domain(lo=1, hi=2),
     "rollout.val_temperature": NON_NEGATIVE,  # 0 = greedy
     "rollout.val_top_p": PROBABILITY_MASS,
     # algo
     "algo.clip_ratio": POSITIVE, "algo.shaping_beta": POSITIVE, "algo.entropy_coeff": NON_NEGATIVE,
     "algo.skip_grad_bound": Domain(lo=0, lo_open=True, inf_ok=True),  # inf = never skip
-    "algo.max_consecutive_skips": AT_LEAST_1,
+    "algo.max_consecutive_skips": AT_LEAST_1, "algo.loss_seqs_per_rank_ref": POSITIVE,
     # trainer
     "trainer.total_steps": AT_LEAST_1, "trainer.train_batch_size": AT_LEAST_1,
     "trainer.ppo_mini_batch_size": AT_LEAST_1, "trainer.micro_batch_max_tokens": AT_LEAST_1,
@@ -105,6 +106,7 @@ DOMAINS: dict[str, Domain] = {
     # data
     "data.max_prompt_length": AT_LEAST_1, "data.max_response_length": AT_LEAST_1,
     "data.num_val_examples": AT_LEAST_1, "data.num_train_examples": AT_LEAST_1,
+    "data.num_test_examples": NON_NEGATIVE,  # 0 = no test split
     # reward
     "reward.timeout_seconds": AT_LEAST_1, "reward.hard_deadline_seconds": POSITIVE,
     "reward.num_workers": AT_LEAST_1,
