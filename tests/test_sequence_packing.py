@@ -176,3 +176,54 @@ def test_packed_parallel_invariance(tp, pp):
     results = run_on_ranks(_policy_run, world_size=2, args=(tp, pp, PACKED, ref["initial"]))
     for got in results:  # grads gathered and the loss broadcast to every rank
         _compare(ref, got)
+
+
+# ----------------------------------------------------------------------------- core attention, float64
+def _core_attention_cases():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.model.builder import causal_attention_mask, transformer_config
+    from exgrpo_megatron.model.sdpa_attention import SDPADotProductAttention
+
+    cfg = load_config("demo_cpu", ["model=tiny_qwen2"])
+    init_distributed(1, 1, seed=cfg.seed)
+    tcfg = transformer_config(cfg.model, cfg.parallel)
+    kw = dict(config=tcfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    ref, sdpa = DotProductAttention(**kw), SDPADotProductAttention(**kw)
+    g = torch.Generator().manual_seed(0)
+    s, b, heads, groups, d = 11, 3, tcfg.num_attention_heads, tcfg.num_query_groups, tcfg.kv_channels
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :4] = False  # left padding, as the rollout engine's prefill has
+    key_padding = causal_attention_mask(s, b) | ~valid[:, None, None, :]
+    decode = torch.zeros(b, 1, 1, s, dtype=torch.bool)
+    decode[1, ..., :4] = True
+    cases = {"causal mask": (s, causal_attention_mask(s, b)), "left padding": (s, key_padding),
+             "decode, one query": (1, decode)}
+    errs = {}
+    for name, (sq, mask) in cases.items():
+        q = torch.randn(sq, b, heads, d, generator=g, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(s, b, groups, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in "kv")
+        out = {}
+        for label, module, m in (("ref", ref, mask), ("sdpa", sdpa, mask), ("sdpa, no mask", sdpa, None)):
+            if m is None and sq != s:
+                continue
+            o = module(q, k, v, m)
+            grads = torch.autograd.grad((o * o.detach().cos()).sum(), (q, k, v))
+            out[label] = (o.detach(), grads)
+        for label in out.keys() - {"ref"}:
+            if label == "sdpa, no mask" and name != "causal mask":
+                continue
+            o, grads = out[label]
+            errs[f"{name} / {label}"] = max([float((o - out["ref"][0]).abs().max())]
+                                            + [float((a - r).abs().max()) for a, r in zip(grads, out["ref"][1],
+                                                                                           strict=True)])
+    return errs
+
+
+def test_sdpa_core_attention_equals_megatron_local_float64():
+    (errs,) = run_on_ranks(_core_attention_cases, world_size=1)
+    assert len(errs) == 4, errs
+    assert max(errs.values()) < 1e-12, errs

@@ -6,8 +6,9 @@ baddbmm + masked softmax + bmm, and GQA without materialising repeated keys/valu
 
 Masks, in megatron's convention (True = masked):
 - `attention_mask=None` with a causal layer: plain causal attention (`is_causal`, the fastest kernel);
-- a boolean mask [b or 1, 1, sq, sk]: masked scores get -10000 added, as megatron's `attention_mask_func`
-  fills them with -10000, so a query whose keys are all masked still gets finite weights;
+- a boolean mask [b or 1, 1, sq, sk]: masked scores get -10000 added (megatron's `attention_mask_func` fills
+  them with -10000: the same softmax), and a query whose keys are all masked averages the values uniformly,
+  as megatron's does (the rollout engine's masks never produce one: each query sees itself);
 - packed sequences (`PackedSeqParams`, qkv_format "thd", query [t, heads, d]): block-diagonal causal
   attention, each sequence [cu_seqlens[i], cu_seqlens[i+1]) attending causally to itself only. The blocks are
   computed one by one, so no [t, t] mask exists. RoPE positions were already reset per sequence by megatron's
@@ -47,16 +48,21 @@ class SDPADotProductAttention(DotProductAttention):
         sq, b = query.shape[:2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        causal, bias = False, None
+        causal, bias, dead = False, None, None
         if attention_mask is not None:
             bias = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
             bias.masked_fill_(attention_mask, MASKED_SCORE)
+            dead = attention_mask.all(dim=-1, keepdim=True)  # queries with every key masked
         elif mask_type == AttnMaskType.causal and sq > 1:
             if sq != key.shape[0]:
                 raise ValueError("causal attention without a mask needs as many queries as keys")
             causal = True
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=causal,
                                              scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        if dead is not None and bool(dead.any()):
+            # megatron *replaces* masked scores by -10000, so such a query weights all keys equally
+            mean_v = v.mean(dim=-2, keepdim=True).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            out = torch.where(dead, mean_v, out)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, dropout: float) -> Tensor:
