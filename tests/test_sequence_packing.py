@@ -61,6 +61,23 @@ def test_packed_collate_places_rows_like_padded():
         assert all(torch.equal(b, a) for b, a in zip(back, per_token["adv"], strict=True))
 
 
+def test_packed_forward_inputs_are_thd_packed_seq_params():
+    """What the model (TE's THD attention on GPU, sdpa on CPU) is given for a packed micro-batch."""
+    from exgrpo_megatron.policy.batch import forward_inputs
+
+    seqs, prompts = _batch()
+    mb = collate(seqs, prompts, [3, 1, 5], packed=True)
+    kw = forward_inputs(mb, causal_mask=True)
+    params = kw["packed_seq_params"]
+    lengths = [len(seqs[i]) for i in (3, 1, 5)]
+    assert kw["attention_mask"] is None and kw["input_ids"].shape == (1, sum(lengths))
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.dtype == torch.int32
+    assert params.cu_seqlens_q is params.cu_seqlens_kv and params.max_seqlen_q == params.max_seqlen_kv == max(lengths)
+    assert kw["position_ids"][0].tolist() == [p for n in lengths for p in range(n)]
+    padded = forward_inputs(collate(seqs, prompts, [3, 1, 5]), causal_mask=True)
+    assert "packed_seq_params" not in padded and padded["attention_mask"].shape == (3, 1, max(lengths), max(lengths))
+
+
 # ----------------------------------------------------------------------------- float64 model reference
 def _float64_reference():
     from exgrpo_megatron.config.loader import load_config
