@@ -244,12 +244,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gemm_before = gemm_flops()
     names = args.models.split(",")
-    results = [bench_preset(p, args.batch, args.seq, args.warmup, args.iters, names) for p in args.presets.split(",")]
-    gemm = max(gemm_before, gemm_flops())
+    results = []
+    presets = args.presets.split(",")
+    for preset in presets:  # the JSON is rewritten after each preset, so a slow box keeps what finished
+        results.append(bench_preset(preset, args.batch, args.seq, args.warmup, args.iters, names))
+        done = len(results) == len(presets)
+        report(args, gemm_before, max(gemm_before, gemm_flops()) if done else gemm_before, results, done)
+
+
+def report(args, gemm_before: float, gemm: float, results: list[dict], complete: bool) -> None:
     for res in results:
         for name, row in res["rows"].items():
             row["mfu"] = row["model_flops_per_s"] / gemm
-            if not args.no_rss:
+            if complete and not args.no_rss:
                 row.update(measure_rss(name, res["preset"], args.batch, args.seq, args.threads))
         rows = res["rows"]
         for name in ("megatron", "megatron_dpa"):
@@ -274,12 +281,12 @@ def main() -> None:
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump({"command": " ".join([".venv/bin/python", "bench/train_throughput.py", *sys.argv[1:]]),
-                   "threads": args.threads, "gemm_flops_per_s": gemm, "gemm_flops_before": gemm_before,
-                   "load_average_end": os.getloadavg(), "torch": torch.__version__,
-                   "timing": f"interleaved rounds ({', '.join(MODELS)}); tokens/s, MFU and ratios from the median step",
+                   "complete": complete, "threads": args.threads, "gemm_flops_per_s": gemm,
+                   "gemm_flops_before": gemm_before, "load_average_end": os.getloadavg(), "torch": torch.__version__,
+                   "timing": f"interleaved rounds ({args.models}); tokens/s, MFU and ratios from the median step",
                    "results": results},
                   f, indent=2)
-    print(f"wrote {RESULTS}")
+    print(f"wrote {RESULTS}", flush=True)
 
 
 if __name__ == "__main__":
