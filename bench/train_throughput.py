@@ -3,15 +3,17 @@
 Both models have IDENTICAL shape and weights (the megatron model is built with `build_gpt_model`, fp32,
 local layer spec, TP=1, one gloo process; its weights are mapped into a `Qwen2ForCausalLM` with
 `convert.hf_mapping.megatron_to_hf`, and the two losses are compared first). One step = forward on a
-[batch, seq] token batch (megatron: `causal_attention_mask`), loss = `F.cross_entropy` over the logits of
-the real vocabulary (the same call for every model), backward, zero grads. No optimizer step.
+[batch, seq] token batch, loss = `F.cross_entropy` over the logits of the real vocabulary (the same call for
+every model), backward, zero grads. No optimizer step.
 
-HF runs twice: `attn_implementation="sdpa"` (fused scaled-dot-product attention, the transformers default)
-and `"eager"` (matmul + softmax, like megatron's local `DotProductAttention`).
+Megatron runs twice: `megatron` = the default `model.core_attention=sdpa` (model/sdpa_attention.py, causal
+kernel, no mask tensor) and `megatron_dpa` = megatron's local `DotProductAttention` with the explicit causal
+mask (the path before issue 17). HF runs twice: `attn_implementation="sdpa"` (the transformers default) and
+`"eager"` (matmul + softmax).
 
 Contention: the box is shared, so the models are timed INTERLEAVED (one step of each model in turn, for
-`--iters` rounds after `--warmup` rounds); a load spike hits all models alike. Reported per model: the MINIMUM
-step time (least contaminated by other processes; tokens/s and MFU use it) and the median. The fp32 GEMM
+`--iters` rounds after `--warmup` rounds); a load spike hits all models alike. Reported per model: the MEDIAN
+step time (tokens/s, MFU and the ratios use it) and the minimum. The fp32 GEMM
 rate (`torch.matmul`, 2048 x 2048, same thread count) is measured before and after; the larger median is
 used for MFU.
 
@@ -25,7 +27,8 @@ Peak RSS: every model is built and stepped (2 steps) in its OWN subprocess; a th
 reported are the sampled peak (imports of torch + transformers + megatron-core included) and "model+step" = that
 peak minus the RSS right after imports (megatron's includes init_distributed: gloo group, RNG trackers).
 
-Run: ``.venv/bin/python bench/train_throughput.py`` (writes bench/results/train_throughput.json).
+Run: ``.venv/bin/python bench/train_throughput.py`` (writes bench/results/train_throughput.json): presets 8m
+(h256 L4 V8k, 8.1M parameters) and 63m (h512 L8 V32k, 63.3M), batch 8 x 256, 2 threads.
 """
 
 from __future__ import annotations
@@ -47,18 +50,24 @@ PRESETS = {  # name -> ModelConfig overrides
                  vocab_size=128, make_vocab_size_divisible_by=128),  # conf/model/tiny_qwen2.yaml
     "25m": dict(num_layers=6, hidden_size=512, ffn_hidden_size=1792, num_attention_heads=8, num_query_groups=2,
                 vocab_size=4096, make_vocab_size_divisible_by=128),
+    "8m": dict(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, num_query_groups=2,
+               vocab_size=8000, make_vocab_size_divisible_by=64),  # 8.1M parameters
+    "63m": dict(num_layers=8, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=2,
+                vocab_size=32000, make_vocab_size_divisible_by=128),  # 63.3M parameters
 }
-MODELS = ("megatron", "hf_sdpa", "hf_eager")
+# megatron = the default (model.core_attention=sdpa); megatron_dpa = megatron's local DotProductAttention
+MODELS = ("megatron", "megatron_dpa", "hf_sdpa", "hf_eager")
+CORE_ATTENTION = {"megatron": "sdpa", "megatron_dpa": "megatron"}
 
 
-def model_config(preset: str):
+def model_config(preset: str, core_attention: str = "sdpa"):
     from exgrpo_megatron.config.schema import ModelConfig
 
     return ModelConfig(params_dtype="fp32", layer_spec="local", max_position_embeddings=1024,
-                       tie_word_embeddings=False, **PRESETS[preset])
+                       tie_word_embeddings=False, core_attention=core_attention, **PRESETS[preset])
 
 
-def build_megatron(preset: str):
+def build_megatron(preset: str, core_attention: str = "sdpa"):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     from exgrpo_megatron.config.schema import ParallelConfig
@@ -66,7 +75,7 @@ def build_megatron(preset: str):
     from exgrpo_megatron.model.builder import build_gpt_model
 
     init_distributed(1, 1, seed=3)
-    cfg = model_config(preset)
+    cfg = model_config(preset, core_attention)
     return cfg, build_gpt_model(cfg, ParallelConfig()).train()
 
 
@@ -97,10 +106,11 @@ def make_step(name: str, model, cfg, batch: int, seq: int):
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     positions = torch.arange(seq)[None].expand(batch, seq)
-    mask = causal_attention_mask(seq, batch)
+    # as Policy does: megatron's DotProductAttention gets the explicit mask, sdpa its causal kernel
+    mask = causal_attention_mask(seq, batch) if name == "megatron_dpa" else None
 
     def step() -> float:
-        if name == "megatron":
+        if name.startswith("megatron"):
             logits = model(input_ids=inputs, position_ids=positions, attention_mask=mask)
         else:
             logits = model(input_ids=inputs).logits
@@ -160,8 +170,8 @@ def rss_child(model_name: str, preset: str, batch: int, seq: int) -> None:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    if model_name == "megatron":
-        cfg, model = build_megatron(preset)
+    if model_name in CORE_ATTENTION:
+        cfg, model = build_megatron(preset, CORE_ATTENTION[model_name])
     else:
         cfg = model_config(preset)
         model = build_hf(cfg, model_name.removeprefix("hf_"))
@@ -183,39 +193,47 @@ def measure_rss(model_name: str, preset: str, batch: int, seq: int, threads: int
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bench_preset(preset: str, batch: int, seq: int, warmup: int, iters: int) -> dict:
+def bench_preset(preset: str, batch: int, seq: int, warmup: int, iters: int, names: list[str]) -> dict:
     cfg, gpt = build_megatron(preset)
-    models = {"megatron": gpt, "hf_sdpa": build_hf(cfg, "sdpa", gpt), "hf_eager": build_hf(cfg, "eager", gpt)}
+    _, dpa = build_megatron(preset, "megatron")
+    dpa.load_state_dict(gpt.state_dict())
+    models = {"megatron": gpt, "megatron_dpa": dpa}
+    models.update({name: build_hf(cfg, name.removeprefix("hf_"), gpt) for name in names if name.startswith("hf_")})
+    models = {name: models[name] for name in names}
     steps = {name: make_step(name, m, cfg, batch, seq) for name, m in models.items()}
     losses = {name: step() for name, step in steps.items()}  # also the first warm-up round
-    times: dict[str, list[float]] = {name: [] for name in MODELS}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for rnd in range(warmup - 1 + iters):
-        for name in MODELS:
-            t0 = time.perf_counter()
+        for name in names:
+            t0, c0 = time.perf_counter(), time.process_time()
             steps[name]()
             if rnd >= warmup - 1:
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
     n_params = sum(p.numel() for p in gpt.parameters())
     n_matmul, fpt = flops_per_token(cfg, seq)
     rows = {}
-    for name in MODELS:
+    for name in names:
         best, med = min(times[name]), statistics.median(times[name])
-        rows[name] = {"min_step_s": best, "median_step_s": med, "tokens_per_s": batch * seq / best,
-                      "tokens_per_s_median": batch * seq / med, "step_times_s": times[name],
-                      "loss": losses[name], "model_flops_per_s": fpt * batch * seq / best}
-    del models, steps, gpt
+        rows[name] = {"min_step_s": best, "median_step_s": med, "tokens_per_s": batch * seq / med,
+                      "median_cpu_s": statistics.median(cpu[name]), "cpu_times_s": cpu[name],
+                      "tokens_per_s_best": batch * seq / best, "step_times_s": times[name],
+                      "loss": losses[name], "model_flops_per_s": fpt * batch * seq / med}
+    del models, steps, gpt, dpa
     return {"preset": preset, "model": PRESETS[preset], "params": n_params, "n_matmul": n_matmul,
             "flops_per_token": fpt, "batch": batch, "seq": seq, "rows": rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--presets", default="tiny,25m")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--presets", default="8m,63m")
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"subset of {MODELS}, timed in this order")
     parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--rss-child", choices=MODELS)
     parser.add_argument("--preset", default="tiny")
@@ -225,38 +243,50 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     gemm_before = gemm_flops()
-    results = [bench_preset(p, args.batch, args.seq, args.warmup, args.iters) for p in args.presets.split(",")]
-    gemm = max(gemm_before, gemm_flops())
+    names = args.models.split(",")
+    results = []
+    presets = args.presets.split(",")
+    for preset in presets:  # the JSON is rewritten after each preset, so a slow box keeps what finished
+        results.append(bench_preset(preset, args.batch, args.seq, args.warmup, args.iters, names))
+        done = len(results) == len(presets)
+        report(args, gemm_before, max(gemm_before, gemm_flops()) if done else gemm_before, results, done)
+
+
+def report(args, gemm_before: float, gemm: float, results: list[dict], complete: bool) -> None:
     for res in results:
         for name, row in res["rows"].items():
             row["mfu"] = row["model_flops_per_s"] / gemm
-            if not args.no_rss:
+            if complete and not args.no_rss:
                 row.update(measure_rss(name, res["preset"], args.batch, args.seq, args.threads))
-        res["megatron_over_hf_sdpa"] = res["rows"]["megatron"]["tokens_per_s"] / res["rows"]["hf_sdpa"]["tokens_per_s"]
-        res["megatron_over_hf_eager"] = (res["rows"]["megatron"]["tokens_per_s"]
-                                         / res["rows"]["hf_eager"]["tokens_per_s"])
+        rows = res["rows"]
+        for name in ("megatron", "megatron_dpa"):
+            for hf in ("hf_sdpa", "hf_eager"):
+                if name in rows and hf in rows:
+                    res[f"{name}_over_{hf}"] = rows[hf]["median_step_s"] / rows[name]["median_step_s"]
+                    res[f"{name}_over_{hf}_cpu_time"] = rows[hf]["median_cpu_s"] / rows[name]["median_cpu_s"]
     print(f"threads={args.threads} batch={args.batch}x{args.seq} fp32 GEMM(2048^2)={gemm / 1e9:.1f} GFLOP/s "
           f"load={os.getloadavg()[0]:.1f}")
-    print(f"{'preset':6s} {'model':9s} {'params':>9s} {'tok/s':>9s} {'min s':>7s} {'med s':>7s} {'MFU':>6s} "
-          f"{'loss':>8s} "
+    print(f"{'preset':6s} {'model':12s} {'params':>9s} {'tok/s':>9s} {'min s':>7s} {'med s':>7s} {'cpu s':>7s} "
+          f"{'MFU':>6s} {'loss':>8s} "
           f"{'peakRSS MiB':>11s} {'model+step MiB':>14s}")
     for res in results:
         for name, r in res["rows"].items():
-            print(f"{res['preset']:6s} {name:9s} {res['params']:9d} {r['tokens_per_s']:9.0f} {r['min_step_s']:7.3f} "
-                  f"{r['median_step_s']:7.3f} {r['mfu']:6.1%} {r['loss']:8.4f} "
+            print(f"{res['preset']:6s} {name:12s} {res['params']:9d} {r['tokens_per_s']:9.0f} {r['min_step_s']:7.3f} "
+                  f"{r['median_step_s']:7.3f} {r['median_cpu_s']:7.3f} {r['mfu']:6.1%} {r['loss']:8.4f} "
                   f"{r.get('peak_rss_mib', float('nan')):11.0f} "
                   f"{r.get('sampled_peak_minus_imports_mib', float('nan')):14.0f}")
-        print(f"{res['preset']:6s} megatron / HF sdpa = {res['megatron_over_hf_sdpa']:.2f}x, "
-              f"megatron / HF eager = {res['megatron_over_hf_eager']:.2f}x")
+        for key, ratio in res.items():
+            if "_over_" in key:
+                print(f"{res['preset']:6s} {key} = {ratio:.2f}x")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump({"command": " ".join([".venv/bin/python", "bench/train_throughput.py", *sys.argv[1:]]),
-                   "threads": args.threads, "gemm_flops_per_s": gemm, "gemm_flops_before": gemm_before,
-                   "load_average_end": os.getloadavg(), "torch": torch.__version__,
-                   "timing": "interleaved rounds (megatron, hf_sdpa, hf_eager); tokens/s from the min step",
+                   "complete": complete, "threads": args.threads, "gemm_flops_per_s": gemm,
+                   "gemm_flops_before": gemm_before, "load_average_end": os.getloadavg(), "torch": torch.__version__,
+                   "timing": f"interleaved rounds ({args.models}); tokens/s, MFU and ratios from the median step",
                    "results": results},
                   f, indent=2)
-    print(f"wrote {RESULTS}")
+    print(f"wrote {RESULTS}", flush=True)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
         counts = totals.all_reduce_dp(torch.tensor([tokens, float(len(chunk_rows))], dtype=torch.float64))
         pg_norm, ent_norm = loss_normalisers(float(counts[0]), float(counts[1]), a.loss_agg_mode,
                                              cfg.data.max_response_length, a.loss_seqs_per_rank_ref)
-        mbs = micro_batches_for_update(batch, chunk_rows, old, behaviour, t.micro_batch_max_tokens)
+        mbs = micro_batches_for_update(batch, chunk_rows, old, behaviour, t.micro_batch_max_tokens,
+                                       packed=t.sequence_packing)
         loss_fn = exgrpo_loss_fn(mixed_phase=mixed_phase, temperature=r.temperature, clip_ratio=a.clip_ratio,
                                  shaping_beta=a.shaping_beta, policy_shaping=a.policy_shaping,
                                  entropy_coeff=a.entropy_coeff,
@@ -116,6 +117,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
         "time/generate": t_gen - t0, "time/reward": t_rew - t_gen, "time/train": t_train - t_rew,
         "time/step": t_train - t0, "reward/grader_timeouts": float(graded.n_timeouts_killed),
         "time/refit": t_refit,
+        "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
     })
     out["throughput/tokens_per_s"] = out.pop("tokens/total", 0.0) / max(out["time/step"], 1e-9)
     if c.pool is not None:

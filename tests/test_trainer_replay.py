@@ -193,6 +193,7 @@ def _train_recording_replay(overrides: list[str]) -> dict:
                 loss, metrics = inner(logits, mb)
                 now["step"]["calls"].append({
                     "kw": {k: kw[k] for k in ("mixed_phase", "shaping_beta", "pg_normaliser")}, "rows": list(mb.rows),
+                    "starts": [mb.row_start(b) for b in range(len(mb.rows))],
                     "mask": mb.loss_mask.detach().clone(), "old": mb.extras["old_logprobs"].detach().clone(),
                     "logp": _reference_logprobs(logits, mb.labels, cfg.model.vocab_size, cfg.rollout.temperature),
                     "metrics": {k: float(v) for k, v in metrics.items()}})
@@ -236,11 +237,11 @@ def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = 
     -A*f(w), w = exp(logp - recorded behaviour logp), f(w) = w / (w + beta). With replay_as_on_policy the
     replay rows get the fresh formula (what a trainer that ignored is_replay would compute)."""
     out = dict(pg_sum=0.0, w_sum=0.0, f_sum=0.0, w_max=0.0, replay_tokens=0.0, tokens=0.0)
-    for b, i in enumerate(call["rows"]):
+    for (r, c), i in zip(call["starts"], call["rows"], strict=True):  # (row, column) of each sequence's start
         p, n = batch.prompt_lengths[i], batch.response_lengths[i]
-        span = slice(p - 1, p - 1 + n)
-        assert call["mask"][b, span].all() and int(call["mask"][b].sum()) == n
-        logp, adv = call["logp"][b, span], batch.advantages[i]
+        span = slice(c + p - 1, c + p - 1 + n)
+        assert call["mask"][r, span].all() and int(call["mask"][r, c:c + p + n].sum()) == n
+        logp, adv = call["logp"][r, span], batch.advantages[i]
         out["tokens"] += n
         if batch.is_replay[i] and not replay_as_on_policy:
             w = torch.exp(logp - batch.gen_logprobs[i].double())
@@ -250,7 +251,7 @@ def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = 
             out["w_max"] = max(out["w_max"], float(w.max()))
             out["replay_tokens"] += n
         else:
-            out["pg_sum"] += float((-adv * torch.exp(logp - call["old"][b, span].double())).sum())
+            out["pg_sum"] += float((-adv * torch.exp(logp - call["old"][r, span].double())).sum())
     return out
 
 

@@ -31,6 +31,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     params_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     layer_spec: str = "auto"  # auto (TE when importable with CUDA) | te | local
+    core_attention: str = "sdpa"  # local spec: sdpa (torch fused kernel) | megatron (DotProductAttention)
     recompute_activations: bool = False
     hf_path: Optional[str] = None  # HF directory: tokenizer files (and weights for conversion)
 
@@ -103,6 +104,7 @@ class TrainerConfig:
     train_batch_size: int = 128  # prompts per step (B)
     ppo_mini_batch_size: int = 64  # prompts per optimizer update (paper: 2 updates per step)
     micro_batch_max_tokens: int = 32768  # token budget of one micro-batch on one rank
+    sequence_packing: bool = True  # pack rows into one [1, tokens] sequence (THD) instead of right-padding
     experience: bool = True  # false = on-policy GRPO
     experience_ratio: float = 0.5  # rho
     experience_start_sratio: float = 0.35  # delayed start; <= 0 means from step 1

@@ -38,6 +38,11 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     _choice(e, "model.family", m.family, ("qwen2", "llama"))
     _choice(e, "model.params_dtype", m.params_dtype, ("auto", "fp32", "bf16"))
     _choice(e, "model.layer_spec", m.layer_spec, ("auto", "te", "local"))
+    _choice(e, "model.core_attention", m.core_attention, ("sdpa", "megatron"))
+    if t.sequence_packing and m.layer_spec != "te" and m.core_attention != "sdpa":
+        e.append("trainer.sequence_packing: the local layer spec packs sequences with model.core_attention=sdpa only")
+    if t.sequence_packing and cp > 1:
+        e.append("trainer.sequence_packing: not implemented with context_parallel_size > 1 (set it false)")
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "vocab_size", "max_position_embeddings"):
         _positive(e, f"model.{key}", getattr(m, key))

@@ -104,7 +104,12 @@ def layer_spec(cfg: ModelConfig):
 
     if resolve_layer_spec(cfg) == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if cfg.core_attention == "sdpa":
+        from exgrpo_megatron.model.sdpa_attention import SDPADotProductAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return spec
 
 
 def build_gpt_model(

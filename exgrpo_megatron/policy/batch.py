@@ -1,7 +1,14 @@
-"""Token-budget micro-batches of right-padded (prompt + response) sequences.
+"""Token-budget micro-batches of (prompt + response) sequences, right-padded or packed.
+
+Padded: one row per sequence, [b, longest] tokens. Packed (`trainer.sequence_packing`): the sequences back to
+back in one row, [1, sum of lengths], with `cu_seqlens` = [0, l_0, l_0 + l_1, ...] marking where each starts;
+the model attends within each sequence only and restarts positions at each start (megatron's THD format,
+`PackedSeqParams`), so a packed micro-batch computes the same per-token values as the padded one, without
+the padding.
 
 Per-token tensors are aligned to *targets*: column t describes the prediction of token t+1, so
-`loss_mask[:, t]` is 1 where tokens[:, t+1] is a response token. The last column is always 0.
+`loss_mask[:, t]` is 1 where tokens[:, t+1] is a response token. The last column of each sequence is 0
+(in a packed row its "target" is the next sequence's first token, never a loss token).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ class MicroBatch:
     # Optional per-token tensors aligned like loss_mask (filled by the trainer for RL losses).
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: list[int] = field(default_factory=list)  # positions of these sequences in the full batch
+    lengths: list[int] = field(default_factory=list)  # token count of each row's sequence
+    cu_seqlens: torch.Tensor | None = None  # packed: int32 [rows + 1] sequence starts; None = padded rows
 
     @property
     def labels(self) -> torch.Tensor:
@@ -29,15 +38,27 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    @property
+    def padding_tokens(self) -> int:
+        """Token slots run through the model that belong to no sequence."""
+        return self.tokens.numel() - sum(self.lengths)
+
+    def row_start(self, b: int) -> tuple[int, int]:
+        """(row, column) of the first token of this micro-batch's b-th sequence."""
+        return (0, int(self.cu_seqlens[b])) if self.cu_seqlens is not None else (b, 0)
+
     def to(self, device: torch.device) -> MicroBatch:
+        cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
         return MicroBatch(self.tokens.to(device), self.loss_mask.to(device),
-                          {k: v.to(device) for k, v in self.extras.items()}, list(self.rows))
+                          {k: v.to(device) for k, v in self.extras.items()}, list(self.rows), list(self.lengths), cu)
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy token-budget packing: sort by length (longest first) and fill micro-batches whose
-    padded size (rows x longest row) stays within `max_tokens`. Returns row indices per micro-batch;
-    every row appears exactly once. A single row longer than the budget gets its own micro-batch."""
+def plan_micro_batches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
+    """Token-budget micro-batches; returns row indices per micro-batch, every row exactly once, a single row
+    longer than the budget alone. Padded: sort by length (longest first) and fill greedily while rows x longest
+    row stays within `max_tokens`. Packed: first-fit decreasing on the sum of lengths."""
+    if packed:
+        return _first_fit_decreasing(lengths, max_tokens)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     plan: list[list[int]] = []
     current: list[int] = []
@@ -54,28 +75,75 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return plan
 
 
+def _first_fit_decreasing(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fit = next((j for j, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
+        if fit is None:
+            bins.append([i])
+            loads.append(lengths[i])
+        else:
+            bins[fit].append(i)
+            loads[fit] += lengths[i]
+    return bins
+
+
 def collate(
     sequences: list[list[int]],
     prompt_lengths: list[int],
     rows: list[int],
     per_token: dict[str, list[torch.Tensor]] | None = None,
     pad_id: int = 0,
+    packed: bool = False,
 ) -> MicroBatch:
-    """Right-pad the selected sequences. `per_token[name][i]` holds one value per *response* token
-    of sequence i; it is placed at the target positions of that sequence."""
-    seqs = [sequences[i] for i in rows]
-    s = max(len(x) for x in seqs)
-    tokens = torch.full((len(rows), s), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), s), dtype=torch.float32)
-    extras = {name: torch.zeros((len(rows), s), dtype=torch.float32) for name in (per_token or {})}
+    """Right-pad (or pack) the selected sequences. `per_token[name][i]` holds one value per *response*
+    token of sequence i; it is placed at the target positions of that sequence."""
+    lengths = [len(sequences[i]) for i in rows]
+    shape = (1, sum(lengths)) if packed else (len(rows), max(lengths))
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    tokens = torch.full(shape, pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(shape, dtype=torch.float32)
+    extras = {name: torch.zeros(shape, dtype=torch.float32) for name in (per_token or {})}
     for b, i in enumerate(rows):
         seq, p = sequences[i], prompt_lengths[i]
-        tokens[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-        loss_mask[b, p - 1 : len(seq) - 1] = 1.0
+        r, c = (0, starts[b]) if packed else (b, 0)
+        tokens[r, c : c + len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        loss_mask[r, c + p - 1 : c + len(seq) - 1] = 1.0
         for name, values in (per_token or {}).items():
             v = torch.as_tensor(values[i], dtype=torch.float32)
-            extras[name][b, p - 1 : p - 1 + v.numel()] = v
-    return MicroBatch(tokens, loss_mask, extras, list(rows))
+            extras[name][r, c + p - 1 : c + p - 1 + v.numel()] = v
+    cu = torch.tensor(starts, dtype=torch.int32) if packed else None
+    return MicroBatch(tokens, loss_mask, extras, list(rows), lengths, cu)
+
+
+def make_micro_batches(sequences: list[list[int]], prompt_lengths: list[int], rows: list[int], max_tokens: int,
+                       packed: bool, per_token: dict[str, list[torch.Tensor]] | None = None) -> list[MicroBatch]:
+    """Plan and collate token-budget micro-batches of `rows` (indices into `sequences`)."""
+    plan = plan_micro_batches([len(sequences[i]) for i in rows], max_tokens, packed)
+    return [collate(sequences, prompt_lengths, [rows[j] for j in mb], per_token, packed=packed) for mb in plan]
+
+
+def forward_inputs(mb: MicroBatch, causal_mask: bool) -> dict:
+    """Keyword arguments of GPTModel.forward for one micro-batch: padded rows with positions 0..s-1 (and
+    megatron's explicit causal mask when `causal_mask`), or the packed row as THD `PackedSeqParams` (per-sequence
+    causal attention; RoPE positions restart at every cu_seqlens entry)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from exgrpo_megatron.model.builder import causal_attention_mask
+
+    b, s = mb.tokens.shape
+    device = mb.tokens.device
+    if mb.cu_seqlens is None:
+        position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+        mask = causal_attention_mask(s, b, device) if causal_mask else None
+        return {"input_ids": mb.tokens, "position_ids": position_ids, "attention_mask": mask}
+    longest = max(mb.lengths)
+    position_ids = torch.cat([torch.arange(n, device=device) for n in mb.lengths]).unsqueeze(0)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    return {"input_ids": mb.tokens, "position_ids": position_ids, "attention_mask": None,
+            "packed_seq_params": params}
 
 
 def scatter_rows(per_micro: list[torch.Tensor], micro_batches: list[MicroBatch],
@@ -85,5 +153,6 @@ def scatter_rows(per_micro: list[torch.Tensor], micro_batches: list[MicroBatch],
     for values, mb in zip(per_micro, micro_batches, strict=True):
         for b, i in enumerate(mb.rows):
             p, n = prompt_lengths[i], lengths[i]
-            out[i] = values[b, p - 1 : n - 1].detach().clone()
+            r, c = mb.row_start(b)
+            out[i] = values[r, c + p - 1 : c + n - 1].detach().clone()
     return out

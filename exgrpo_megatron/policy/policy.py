@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from exgrpo_megatron.config.schema import RootConfig
-from exgrpo_megatron.model.builder import build_gpt_model, causal_attention_mask, resolve_layer_spec
+from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
 from exgrpo_megatron.model.layout_init import initialise
-from exgrpo_megatron.policy.batch import MicroBatch
+from exgrpo_megatron.policy.batch import MicroBatch, forward_inputs
 
 # loss_fn(logits_shard [b, s, V/tp], micro_batch) -> (loss scalar, metrics dict of tensors)
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -53,7 +53,9 @@ class Policy:
         stages = [None] if vpp is None else list(range(vpp))
         self.modules = [build_gpt_model(cfg.model, cfg.parallel, vp_stage=s) for s in stages]
         initialise(self.modules, cfg.model, cfg.seed)  # same weights at every layout
-        self.use_mask = resolve_layer_spec(cfg.model) == "local"
+        # megatron's local DotProductAttention is given the causal mask; sdpa and TE take None (causal kernel)
+        self.use_mask = resolve_layer_spec(cfg.model) == "local" and cfg.model.core_attention == "megatron"
+        self.tokens_run = self.padding_run = 0  # token slots through the model / of them padding, since taken
         tcfg = self.modules[0].config
         tcfg.variable_seq_lengths = True  # micro-batches differ in length and rows
         ddp_cfg = DistributedDataParallelConfig(
@@ -119,10 +121,7 @@ class Policy:
     # ---------------------------------------------------------------- forward / backward
     def _forward_step(self, loss_fn: LossFn | None, collect: list, data_iterator, model):
         mb: MicroBatch = next(data_iterator)
-        b, s = mb.tokens.shape
-        position_ids = torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(b, s)
-        mask = causal_attention_mask(s, b, mb.tokens.device) if self.use_mask else None
-        output = model(input_ids=mb.tokens, position_ids=position_ids, attention_mask=mask)
+        output = model(**forward_inputs(mb, causal_mask=self.use_mask))
 
         def loss_func(logits):
             loss, metrics = loss_fn(logits, mb)
@@ -139,6 +138,8 @@ class Policy:
 
         device = next(self.modules[0].parameters()).device
         micro_batches = [mb.to(device) for mb in micro_batches]
+        self.tokens_run += sum(mb.tokens.numel() for mb in micro_batches)
+        self.padding_run += sum(mb.padding_tokens for mb in micro_batches)
         collect: list[dict[str, torch.Tensor]] = []
         n = len(micro_batches)
         iterators = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
@@ -159,6 +160,12 @@ class Policy:
         payload = [collect] if self.is_last_stage else [None]
         dist.broadcast_object_list(payload, src=self.pp_last_rank, group=self.pp_group)
         return payload[0]
+
+    def take_padding_share(self) -> float:
+        """Share of the token slots run through the model since the last call that were padding."""
+        share = self.padding_run / self.tokens_run if self.tokens_run else 0.0
+        self.tokens_run = self.padding_run = 0
+        return share
 
     # ---------------------------------------------------------------- optimizer
     def zero_grad(self) -> None:

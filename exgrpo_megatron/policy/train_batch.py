@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from exgrpo_megatron.algo.advantages import group_advantages
-from exgrpo_megatron.policy.batch import MicroBatch, collate, plan_micro_batches, scatter_rows
+from exgrpo_megatron.policy.batch import MicroBatch, make_micro_batches, scatter_rows
 from exgrpo_megatron.policy.objective import token_stats_fn
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.rollout.types import Sample
@@ -55,7 +55,8 @@ def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list
     if not sequences:
         return [], ([] if with_entropy else None)
     lengths = [len(s) for s in sequences]
-    mbs = [collate(sequences, prompt_lengths, rows) for rows in plan_micro_batches(lengths, max_tokens)]
+    mbs = make_micro_batches(sequences, prompt_lengths, list(range(len(sequences))), max_tokens,
+                             policy.cfg.trainer.sequence_packing)
     stats_fn = token_stats_fn(temperature, with_entropy, policy.cfg.model.vocab_size)
     out = policy.forward_backward(mbs, stats_fn, forward_only=True)
     logp = scatter_rows([o["logprobs"] for o in out], mbs, lengths, prompt_lengths)
@@ -64,7 +65,8 @@ def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list
 
 
 def micro_batches_for_update(batch: RolloutBatch, rows: list[int], old_logprobs: list[torch.Tensor],
-                             behaviour_logprobs: list[torch.Tensor], max_tokens: int) -> list[MicroBatch]:
+                             behaviour_logprobs: list[torch.Tensor], max_tokens: int,
+                             packed: bool = False) -> list[MicroBatch]:
     """Token-budget micro-batches of the given rows with the loss extras placed per target token."""
     per_token = {
         "old_logprobs": old_logprobs,
@@ -72,6 +74,4 @@ def micro_batches_for_update(batch: RolloutBatch, rows: list[int], old_logprobs:
         "advantages": [torch.full((n,), a) for n, a in zip(batch.response_lengths, batch.advantages, strict=True)],
         "replay": [torch.full((n,), float(r)) for n, r in zip(batch.response_lengths, batch.is_replay, strict=True)],
     }
-    lengths = [len(batch.sequences[i]) for i in rows]
-    return [collate(batch.sequences, batch.prompt_lengths, [rows[j] for j in plan], per_token)
-            for plan in plan_micro_batches(lengths, max_tokens)]
+    return make_micro_batches(batch.sequences, batch.prompt_lengths, rows, max_tokens, packed, per_token)
