@@ -23,9 +23,11 @@ from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.model.builder import build_gpt_model, causal_attention_mask, resolve_layer_spec
 from exgrpo_megatron.model.layout_init import initialise
 from exgrpo_megatron.policy.batch import MicroBatch
+from exgrpo_megatron.policy.output_layer import LastStageOutput, stop_before_output_layer
 
-# loss_fn(logits_shard [b, s, V/tp], micro_batch) -> (loss scalar, metrics dict of tensors)
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# loss_fn(last stage's output (logits or hidden states, see output_layer.py), micro_batch)
+#   -> (loss scalar, metrics dict of tensors)
+LossFn = Callable[[LastStageOutput, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass
@@ -95,10 +97,11 @@ class Policy:
         b, s = mb.tokens.shape
         position_ids = torch.arange(s, device=mb.tokens.device).unsqueeze(0).expand(b, s)
         mask = causal_attention_mask(s, b, mb.tokens.device) if self.use_mask else None
-        output = model(input_ids=mb.tokens, position_ids=position_ids, attention_mask=mask)
+        with stop_before_output_layer(model, self.cfg.trainer.fused_output_logprobs) as output_weight:
+            output = model(input_ids=mb.tokens, position_ids=position_ids, attention_mask=mask)
 
-        def loss_func(logits):
-            loss, metrics = loss_fn(logits, mb)
+        def loss_func(model_output):
+            loss, metrics = loss_fn(LastStageOutput(model_output, output_weight), mb)
             collect.append({k: v.detach() for k, v in metrics.items()})
             return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {}
 
