@@ -149,7 +149,11 @@ def _policy_run(model_name: str, tp: int) -> dict:
     batch = RolloutBatch(seqs, prompts, [torch.randn(k, generator=g) - 2 for k in n_resp], [0.0] * 5,
                          torch.randn(5, generator=g).tolist(), [False, True, False, True, False], [0, 0, 1, 1, 2])
     out = {}
+    output_layer_calls = []
+    for module in policy.modules:
+        module.output_layer.register_forward_hook(lambda *_: output_layer_calls.append(1))
     for fused in (False, True):
+        output_layer_calls.clear()
         policy.cfg = replace(cfg, trainer=replace(cfg.trainer, fused_output_logprobs=fused))
         policy.eval()
         logp, ent = token_stats(policy, seqs, prompts, temperature=0.7, with_entropy=True, max_tokens=40)
@@ -163,7 +167,7 @@ def _policy_run(model_name: str, tp: int) -> dict:
         policy.zero_grad()
         metrics = policy.forward_backward(mbs, loss_fn)
         loss = float(sum(m["pg_loss"] - m["entropy_bonus"] for m in metrics))
-        out[fused] = {"logp": logp, "entropy": ent, "loss": loss,
+        out[fused] = {"logp": logp, "entropy": ent, "loss": loss, "output_layer_calls": len(output_layer_calls),
                       "n_micro": len(mbs), "grads": full_tensors(policy.modules, "grad", cfg.model.num_layers)}
     return out
 
@@ -171,6 +175,7 @@ def _policy_run(model_name: str, tp: int) -> dict:
 def _assert_switch_exact(run: dict) -> None:
     off, on = run[False], run[True]
     assert off["n_micro"] > 1
+    assert on["output_layer_calls"] == 0 and off["output_layer_calls"] > 0  # the switch really bypasses the layer
     for a, b in zip(on["logp"] + on["entropy"], off["logp"] + off["entropy"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert abs(on["loss"] - off["loss"]) <= 1e-5 * max(1.0, abs(off["loss"])), (on["loss"], off["loss"])

@@ -46,11 +46,12 @@ def stop_before_output_layer(model: torch.nn.Module, fused: bool) -> Iterator[Te
     """Within the block, a forward of `model` (a megatron GPTModel, possibly DDP/Float16Module-wrapped) on the
     last pipeline stage returns the final hidden states [s, b, H] instead of logits when `fused`. Yields the
     output weight the skipped layer would have used (the embedding's when tied), or None when nothing is
-    skipped (not fused, or not the last stage)."""
+    skipped (not fused, not the last stage, or sequence parallelism on: the fused path needs the full
+    sequence's hidden states on every TP rank, so there the output layer runs unfused)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     gpt = get_attr_wrapped_model(model, "post_process", return_model_obj=True)
-    if not (fused and gpt.post_process):
+    if not (fused and gpt.post_process) or gpt.output_layer.sequence_parallel:  # fused: hidden states not sharded
         yield None
         return
     weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
