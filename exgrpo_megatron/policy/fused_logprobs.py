@@ -75,7 +75,9 @@ class _FusedOutputLogProbEntropy(torch.autograd.Function):
                            entropy[rows], None if g_ent is None else g_ent[rows], temperature).to(weight.dtype)
             if need_h:
                 grad_hidden[rows] = torch.matmul(g, weight)
-            if need_w:
+            if need_w and grad_weight.dtype == weight.dtype:
+                grad_weight.addmm_(g.t(), hidden[rows].to(weight.dtype))  # in place: no second [V/tp, H] buffer
+            elif need_w:
                 grad_weight.add_(torch.matmul(g.t(), hidden[rows].to(weight.dtype)))
             del g, z
         if need_h and group_rank_size(tp_group)[1] > 1:
