@@ -1,19 +1,26 @@
-"""Peak memory and time of the fused chunked log-prob + entropy (forward + backward) against the naive
-full-vocabulary float32 path (log_softmax over the full vocabulary, gather, entropy from the same tensor).
+"""Peak memory and time of the output layer + log-prob + entropy (forward + backward), from the final hidden
+states h [N, H] and the output weight W [V, H], three ways:
 
-    python bench/logprob_memory.py                          # spec size: 4 x 1024 tokens, vocab 151,936
-    python bench/logprob_memory.py --seq 256 --chunk-size 256
+- naive: logits = h W^T, then log_softmax over the full vocabulary, gather, entropy from the same tensor (fp32);
+- unfused: logits = h W^T materialised, then the chunked kernel (`policy/logprobs.py`), trainer path with
+  `trainer.fused_output_logprobs=false`;
+- fused_chunkC: the output layer fused into the chunked kernel, C rows at a time (`policy/fused_logprobs.py`), the
+  trainer's default path; no [N, V] logits or gradient exist.
+
+    python bench/logprob_memory.py                          # spec size: 4 x 1024 tokens, vocab 151,936, H 896
+    python bench/logprob_memory.py --seq 256 --chunk-size 128 256
 
 Method (CPU, no torch allocator statistics exist for CPU tensors): each variant runs in a fresh Python
-subprocess. After the inputs (logits with requires_grad, targets, loss weights) are allocated and the RSS has
+subprocess. After the inputs (h and W with requires_grad, targets, loss weights) are allocated and the RSS has
 settled, the process resets the kernel's peak-RSS counter (writes "5" to /proc/self/clear_refs), runs
 forward + backward once, and reads VmHWM from /proc/self/status. "peak extra" = VmHWM - RSS before the run:
-the memory the method needs on top of its inputs, including the gradient wrt the logits (same size as the
-logits, needed by both methods). The kernel counter is exact for resident pages (no sampling); freed large
-buffers are returned to the OS by glibc (mmap), so reuse between buffers is counted as it happens.
+the memory the method needs on top of its inputs (h, W), including the gradients of h and W (needed by all).
+The kernel counter is exact for resident pages (no sampling); freed large buffers are returned to the OS by glibc
+(mmap), so reuse between buffers is counted as it happens.
 A tiny warm-up run precedes the measurement so one-off library initialisation is not counted.
 Time: "first s" is the measured run, "best s" the best of it and `--repeats` further runs in the same process.
-Log-probs and entropy are compared with a float64 reference, the logits gradient with the naive path's.
+Log-probs, entropies and the gradients of h and W are compared with the naive path's (all tokens); log-probs and
+entropies also with a float64 reference on `--reference-rows` evenly spaced tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from exgrpo_megatron.policy.fused_logprobs import fused_output_logprobs_entropy  # noqa: E402
 from exgrpo_megatron.policy.logprobs import vocab_parallel_logprobs_entropy  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "logprob_memory.json"
@@ -45,8 +53,13 @@ def naive_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperat
     return logp, entropy
 
 
-def fused(logits, targets, temperature, chunk_size):
-    return vocab_parallel_logprobs_entropy(logits, targets, chunk_size=chunk_size, temperature=temperature)
+def logits_then_chunked(logits, targets, temperature):
+    return vocab_parallel_logprobs_entropy(logits, targets, temperature=temperature)
+
+
+def fused(hidden, weight, targets, temperature, chunk_size):
+    return fused_output_logprobs_entropy(hidden, weight, targets, weight.shape[0], chunk_size=chunk_size,
+                                         temperature=temperature)
 
 
 def _status_kb(field: str) -> int:
@@ -57,47 +70,57 @@ def _status_kb(field: str) -> int:
 
 
 def _inputs(args):
+    """h [N, H] with unit-variance rows and W [V, H] scaled so the logits have std ~2 (a peaked softmax)."""
     g = torch.Generator().manual_seed(0)
-    shape = (args.batch, args.seq)
-    logits = (torch.randn(*shape, args.vocab, generator=g) * 2.0).to(getattr(torch, args.dtype))
-    logits.requires_grad_(True)
-    targets = torch.randint(0, args.vocab, shape, generator=g)
-    w_logp = torch.randn(shape, generator=g)
-    w_ent = torch.randn(shape, generator=g)
-    return logits, targets, w_logp, w_ent
+    n = args.batch * args.seq
+    dtype = getattr(torch, args.dtype)
+    hidden = torch.randn(n, args.hidden, generator=g).to(dtype).requires_grad_(True)
+    weight = (torch.randn(args.vocab, args.hidden, generator=g) * (2.0 / args.hidden**0.5)).to(dtype)
+    weight.requires_grad_(True)
+    targets = torch.randint(0, args.vocab, (n,), generator=g)
+    w_logp = torch.randn(n, generator=g)
+    w_ent = torch.randn(n, generator=g)
+    return hidden, weight, targets, w_logp, w_ent
 
 
-def _step(variant, logits, targets, w_logp, w_ent, args):
-    logits.grad = None
-    if variant == "naive":
-        logp, ent = naive_logprobs_entropy(logits, targets, args.temperature)
+def _step(variant, hidden, weight, targets, w_logp, w_ent, args):
+    hidden.grad = weight.grad = None
+    if variant == "fused":
+        logp, ent = fused(hidden, weight, targets, args.temperature, args.chunk_size)
     else:
-        logp, ent = fused(logits, targets, args.temperature, args.chunk_size)
+        logits = hidden @ weight.t()
+        if variant == "naive":
+            logp, ent = naive_logprobs_entropy(logits, targets, args.temperature)
+        else:
+            logp, ent = logits_then_chunked(logits, targets, args.temperature)
+        del logits
     ((w_logp * logp).sum() + (w_ent * ent).sum()).backward()
     return logp.detach(), ent.detach()
 
 
 def worker(args) -> None:
     torch.set_num_threads(args.threads)
-    logits, targets, w_logp, w_ent = _inputs(args)
+    hidden, weight, targets, w_logp, w_ent = _inputs(args)
     # One tiny warm-up run so one-off costs (lazy library init, first-touch of code pages) are not counted.
-    tiny = logits.detach()[:1, :4].clone().requires_grad_(True)
-    _step(args.worker, tiny, targets[:1, :4], w_logp[:1, :4], w_ent[:1, :4], args)
-    del tiny
+    tiny_h = hidden.detach()[:4].clone().requires_grad_(True)
+    tiny_w = weight.detach()[:64].clone().requires_grad_(True)
+    _step(args.worker, tiny_h, tiny_w, targets[:4] % 64, w_logp[:4], w_ent[:4], args)
+    del tiny_h, tiny_w
     time.sleep(0.2)
     baseline_kb = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     t0 = time.perf_counter()
-    logp, ent = _step(args.worker, logits, targets, w_logp, w_ent, args)
+    logp, ent = _step(args.worker, hidden, weight, targets, w_logp, w_ent, args)
     first_s = time.perf_counter() - t0
     peak_kb = _status_kb("VmHWM")
-    grad = logits.grad.float().clone()
+    grads = {"grad_hidden": hidden.grad.float(), "grad_weight": weight.grad.float()}
+    torch.save({"logp": logp, "entropy": ent, **grads}, args.out)
+    del grads
     times = [first_s]
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        _step(args.worker, logits, targets, w_logp, w_ent, args)
+        _step(args.worker, hidden, weight, targets, w_logp, w_ent, args)
         times.append(time.perf_counter() - t0)
-    torch.save({"logp": logp, "entropy": ent, "grad": grad}, args.out)
     print(json.dumps({"baseline_rss_mb": baseline_kb / 1024, "peak_extra_mb": (peak_kb - baseline_kb) / 1024,
                       "first_run_s": first_s, "best_s": min(times)}))
 
@@ -105,23 +128,19 @@ def worker(args) -> None:
 def run_variant(variant: str, chunk_size: int, args, out_path: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--out", out_path, "--chunk-size", str(chunk_size)]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab), "--dtype", args.dtype,
+            "--hidden", str(args.hidden),
             "--temperature", str(args.temperature), "--repeats", str(args.repeats), "--threads", str(args.threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def float64_reference(args, chunk_rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact-ish log-probs and entropy of the benchmark inputs, in float64, row chunk by row chunk."""
-    logits, targets, _, _ = _inputs(args)
-    flat, flat_t = logits.detach().reshape(-1, args.vocab), targets.reshape(-1)
-    logp, ent = [], []
-    for start in range(0, flat.shape[0], chunk_rows):
-        z = flat[start:start + chunk_rows].double() / args.temperature
-        log_p = z - torch.logsumexp(z, dim=-1, keepdim=True)
-        logp.append(log_p.gather(-1, flat_t[start:start + chunk_rows, None]).squeeze(-1))
-        ent.append(-(log_p.exp() * log_p).sum(-1))
-    return torch.cat(logp).reshape(targets.shape), torch.cat(ent).reshape(targets.shape)
+def float64_reference(args, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact-ish log-probs and entropy of the given token rows of the benchmark inputs, in float64."""
+    hidden, weight, targets, _, _ = _inputs(args)
+    z = (hidden.detach()[rows].double() @ weight.detach().double().t()) / args.temperature
+    log_p = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    return log_p.gather(-1, targets[rows, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
 
 def main() -> None:
@@ -129,12 +148,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--chunk-size", type=int, nargs="+", default=[256], help="one fused run per chunk size")
+    p.add_argument("--chunk-size", type=int, nargs="+", default=[128, 256], help="one fused run per chunk size")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--variants", nargs="+", default=["naive", "unfused", "fused"],
+                   choices=["naive", "unfused", "fused"],
+                   help="naive always runs (the baseline); fused once per --chunk-size")
+    p.add_argument("--reference-rows", type=int, default=256, help="token rows checked against float64 (evenly spaced)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--worker", choices=["naive", "fused"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["naive", "unfused", "fused"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. why sizes were reduced)")
     args = p.parse_args()
@@ -143,23 +167,31 @@ def main() -> None:
         worker(args)
         return
 
-    variants = [("naive", 0)] + [(f"fused_chunk{c}", c) for c in args.chunk_size]
+    variants = [("naive", 0)] + [("unfused", 0)] * ("unfused" in args.variants)
+    variants += [(f"fused_chunk{c}", c) for c in args.chunk_size] if "fused" in args.variants else []
     results, diffs = {}, {}
-    ref_logp, ref_ent = float64_reference(args)
+    ref_rows = torch.linspace(0, args.batch * args.seq - 1, min(args.reference_rows, args.batch * args.seq)).long()
+    ref_logp, ref_ent = float64_reference(args, ref_rows)
     with tempfile.TemporaryDirectory() as tmp:
         for name, chunk in variants:
             path = os.path.join(tmp, f"{name}.pt")
             results[name] = run_variant(name.split("_")[0], chunk, args, path)
             out = torch.load(path)
             if name == "naive":
-                naive_grad = out["grad"]
+                naive = out
             diffs[name] = {
-                "logp_vs_float64": (out["logp"].double() - ref_logp).abs().max().item(),
-                "entropy_vs_float64": (out["entropy"].double() - ref_ent).abs().max().item(),
-                "entropy_rel_vs_float64": ((out["entropy"].double() - ref_ent).abs() / ref_ent.abs()).max().item(),
-                "grad_vs_naive": (out["grad"] - naive_grad).abs().max().item(),
+                "logp_vs_float64": (out["logp"][ref_rows].double() - ref_logp).abs().max().item(),
+                "entropy_vs_float64": (out["entropy"][ref_rows].double() - ref_ent).abs().max().item(),
+                "entropy_rel_vs_float64": ((out["entropy"][ref_rows].double() - ref_ent).abs() / ref_ent.abs()).max()
+                .item(),
+                "logp_vs_naive": (out["logp"] - naive["logp"]).abs().max().item(),
+                "entropy_vs_naive": (out["entropy"] - naive["entropy"]).abs().max().item(),
+                "grad_hidden_vs_naive": (out["grad_hidden"] - naive["grad_hidden"]).abs().max().item(),
+                "grad_weight_vs_naive": (out["grad_weight"] - naive["grad_weight"]).abs().max().item(),
+                "time_over_naive": results[name]["best_s"] / results["naive"]["best_s"],
             }
             del out
+        del naive
 
     elem = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
     logits_mb = args.batch * args.seq * args.vocab * elem / 2**20
@@ -167,15 +199,17 @@ def main() -> None:
     print(f"tokens={args.batch}x{args.seq} vocab={args.vocab} dtype={args.dtype} threads={args.threads}; "
           f"logits tensor = {logits_mb:.0f} MiB; peak extra = VmHWM - RSS before forward+backward")
     header = (f"{'variant':<16} {'peak extra MiB':>14} {'x logits':>8} {'/naive':>7} {'first s':>8} {'best s':>7} "
-              f"{'|dlogp|':>9} {'|dH|':>9} {'rel dH':>9} {'|dgrad|':>9}")
+              f"{'/naive t':>8} {'|dlogp|':>9} {'|dH|':>9} {'rel dH':>9} {'|dg_h|':>9} {'|dg_W|':>9}")
     print(header)
     for name, r in results.items():
         d = diffs[name]
         print(f"{name:<16} {r['peak_extra_mb']:>14.0f} {r['peak_extra_mb'] / logits_mb:>8.2f} "
               f"{r['peak_extra_mb'] / naive_peak:>7.3f} {r['first_run_s']:>8.2f} {r['best_s']:>7.2f} "
-              f"{d['logp_vs_float64']:>9.2e} {d['entropy_vs_float64']:>9.2e} {d['entropy_rel_vs_float64']:>9.2e} "
-              f"{d['grad_vs_naive']:>9.2e}")
-    print("|dlogp|, |dH|: max abs error vs a float64 reference; |dgrad|: max abs diff of the logits grad vs naive")
+              f"{d['time_over_naive']:>8.2f} {d['logp_vs_float64']:>9.2e} {d['entropy_vs_float64']:>9.2e} "
+              f"{d['entropy_rel_vs_float64']:>9.2e} {d['grad_hidden_vs_naive']:>9.2e} "
+              f"{d['grad_weight_vs_naive']:>9.2e}")
+    print("|dlogp|, |dH|: max abs error vs a float64 reference (--reference-rows tokens); |dg_h|, |dg_W|: max abs "
+          "diff of the gradients of hidden states and output weight vs naive; /naive t: best time over naive's")
     record = {
         "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
         "logits_mib": logits_mb,

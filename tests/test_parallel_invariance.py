@@ -21,11 +21,9 @@ def _batch():
 
 
 def _ce_loss(normaliser: float):
-    from megatron.core import tensor_parallel
-
-    def loss_fn(logits, mb):
-        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float().clone(), mb.labels)
-        loss = (per_token * mb.loss_mask).sum() / normaliser
+    def loss_fn(output, mb):  # the production path: output layer fused into the log-prob (trainer default)
+        logp, _ = output.logprobs_entropy(mb, vocab_size=None, with_entropy=False)
+        loss = -(logp * mb.loss_mask).sum() / normaliser
         return loss, {"loss_sum": loss.detach()}
 
     return loss_fn

@@ -288,7 +288,7 @@ def test_attention_mask_causal_padding_and_self():
 def test_vocab_padding_mask_is_one_function_for_engine_and_trainer():
     """The trainer masks each TP shard exactly as the engine masks the gathered vocabulary, and
     padded ids get zero probability (finite logit: 0 * logit stays 0 in entropy)."""
-    from exgrpo_megatron.policy.objective import mask_vocab_padding
+    from exgrpo_megatron.policy.output_layer import mask_vocab_padding
     from exgrpo_megatron.rollout.sampling import PAD_LOGIT, mask_padded_vocab
 
     logits = torch.randn(3, 128)

@@ -105,6 +105,7 @@ class TrainerConfig:
     ppo_mini_batch_size: int = 64  # prompts per optimizer update (paper: 2 updates per step)
     micro_batch_max_tokens: int = 32768  # token budget of one micro-batch on one rank
     sequence_packing: bool = True  # pack rows into one [1, tokens] sequence (THD) instead of right-padding
+    fused_output_logprobs: bool = True  # output layer fused into the chunked log-prob/entropy (no [T, V] logits)
     experience: bool = True  # false = on-policy GRPO
     experience_ratio: float = 0.5  # rho
     experience_start_sratio: float = 0.35  # delayed start; <= 0 means from step 1

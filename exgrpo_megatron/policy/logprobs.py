@@ -41,7 +41,7 @@ def default_tp_group() -> dist.ProcessGroup | None:
     return ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
 
 
-def _group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
@@ -55,10 +55,58 @@ def _chunk_scaled_logits(logits_chunk: Tensor, temperature: float, compute_dtype
     return z
 
 
+def chunk_stats(z: Tensor, targets: Tensor, vocab_start: int, tp_group: dist.ProcessGroup | None,
+                with_entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Forward of one chunk of rows. z: a fresh compute-dtype buffer [R, V/tp] of logits / T (consumed);
+    targets: [R] global ids. Returns per row (max m, lse(z) - m, z_target - m, entropy H), reduced over TP."""
+    vocab_local = z.shape[-1]
+    m = z.max(dim=-1).values
+    if group_rank_size(tp_group)[1] > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    z.sub_(m.unsqueeze(-1))
+    local_idx = targets - vocab_start
+    owned = (local_idx >= 0) & (local_idx < vocab_local)
+    z_t = z.gather(-1, local_idx.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1)
+    z_t = torch.where(owned, z_t, torch.zeros_like(z_t))
+    e = torch.exp(z)
+    sum_exp = e.sum(dim=-1)
+    sum_exp_z = e.mul_(z).sum(dim=-1) if with_entropy else torch.zeros_like(sum_exp)
+    del z, e
+    sums = torch.stack([sum_exp, z_t, sum_exp_z], dim=-1)
+    if group_rank_size(tp_group)[1] > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+    lse = torch.log(sums[:, 0])
+    return m, lse, sums[:, 1], lse - sums[:, 2] / sums[:, 0]
+
+
+def chunk_grad(z: Tensor, targets: Tensor, vocab_start: int, row_max: Tensor, log_sum_exp: Tensor,
+               g_logp: Tensor, entropy: Tensor | None, g_entropy: Tensor | None, temperature: float) -> Tensor:
+    """dL/dlogits of one chunk of rows, local to this shard (module docstring). z: a fresh compute-dtype
+    buffer [R, V/tp] of logits / T (consumed and returned as the gradient); the other tensors are [R]."""
+    vocab_local = z.shape[-1]
+    log_p = z.sub_((row_max + log_sum_exp).unsqueeze(-1))  # log p = z - row_max - lse_shifted
+    p = torch.exp(log_p)
+    g_l = g_logp.unsqueeze(-1)
+    if g_entropy is not None:
+        # grad_z = -p * (g_l + g_H (log p + H)); reuse the log_p buffer.
+        grad_z = log_p.add_(entropy.unsqueeze(-1)).mul_(g_entropy.unsqueeze(-1)).add_(g_l)
+        grad_z.mul_(p).neg_()
+    else:
+        grad_z = p.mul_(g_l).neg_()
+    del p, log_p
+    local_idx = targets - vocab_start
+    owned = (local_idx >= 0) & (local_idx < vocab_local)
+    onehot_grad = torch.where(owned, g_logp, torch.zeros_like(g_logp))
+    grad_z.scatter_add_(-1, local_idx.clamp(0, vocab_local - 1).unsqueeze(-1), onehot_grad.unsqueeze(-1))
+    if temperature != 1.0:
+        grad_z.div_(temperature)
+    return grad_z
+
+
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, tp_group, chunk_size, temperature, with_entropy, entropy_grad):
-        tp_rank, tp_size = _group_rank_size(tp_group)
+        tp_rank, _ = group_rank_size(tp_group)
         vocab_local = logits.shape[-1]
         vocab_start = tp_rank * vocab_local
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -71,28 +119,10 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         target_logit = torch.empty_like(row_max)  # z_target - row_max
         entropy = torch.empty_like(row_max)
         for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
-            z = _chunk_scaled_logits(flat_logits[start:end], temperature, compute_dtype)
-            m = z.max(dim=-1).values
-            if tp_size > 1:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-            z.sub_(m.unsqueeze(-1))
-            local_idx = flat_targets[start:end] - vocab_start
-            owned = (local_idx >= 0) & (local_idx < vocab_local)
-            z_t = z.gather(-1, local_idx.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1)
-            z_t = torch.where(owned, z_t, torch.zeros_like(z_t))
-            e = torch.exp(z)
-            sum_exp = e.sum(dim=-1)
-            sum_exp_z = e.mul_(z).sum(dim=-1) if with_entropy else torch.zeros_like(sum_exp)
-            del z, e
-            sums = torch.stack([sum_exp, z_t, sum_exp_z], dim=-1)
-            if tp_size > 1:
-                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
-            lse = torch.log(sums[:, 0])
-            row_max[start:end] = m
-            log_sum_exp[start:end] = lse
-            target_logit[start:end] = sums[:, 1]
-            entropy[start:end] = lse - sums[:, 2] / sums[:, 0]
+            rows = slice(start, min(start + chunk_size, n))
+            z = _chunk_scaled_logits(flat_logits[rows], temperature, compute_dtype)
+            row_max[rows], log_sum_exp[rows], target_logit[rows], entropy[rows] = chunk_stats(
+                z, flat_targets[rows], vocab_start, tp_group, with_entropy)
 
         logprobs = (target_logit - log_sum_exp).reshape(targets.shape)
         entropy = entropy.reshape(targets.shape)
@@ -108,41 +138,24 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         logits, targets, row_max, log_sum_exp, entropy = ctx.saved_tensors
         vocab_start, chunk_size, temperature, entropy_differentiable = ctx.config
         vocab_local = logits.shape[-1]
-        compute_dtype = row_max.dtype
         flat_logits = logits.reshape(-1, vocab_local)
         flat_targets = targets.reshape(-1)
-        g_logp = _grad_or_zeros(grad_logprobs, row_max)
+        g_logp = grad_or_zeros(grad_logprobs, row_max)
         use_entropy_grad = entropy_differentiable and grad_entropy is not None
-        g_ent = grad_entropy.reshape(-1).to(compute_dtype) if use_entropy_grad else None
+        g_ent = grad_entropy.reshape(-1).to(row_max.dtype) if use_entropy_grad else None
         flat_entropy = entropy.reshape(-1)
 
         grad_logits = torch.empty_like(flat_logits)
         for start in range(0, flat_logits.shape[0], chunk_size):
-            end = min(start + chunk_size, flat_logits.shape[0])
-            rows = slice(start, end)
-            # log p = z - row_max - lse_shifted; p = exp(log p)
-            log_p = _chunk_scaled_logits(flat_logits[rows], temperature, compute_dtype)
-            log_p.sub_((row_max[rows] + log_sum_exp[rows]).unsqueeze(-1))
-            p = torch.exp(log_p)
-            g_l = g_logp[rows].unsqueeze(-1)
-            if g_ent is not None:
-                # grad_z = -p * (g_l + g_H (log p + H)); reuse the log_p buffer.
-                grad_z = log_p.add_(flat_entropy[rows].unsqueeze(-1)).mul_(g_ent[rows].unsqueeze(-1)).add_(g_l)
-                grad_z.mul_(p).neg_()
-            else:
-                grad_z = p.mul_(g_l).neg_()
-            del p, log_p
-            local_idx = flat_targets[rows] - vocab_start
-            owned = (local_idx >= 0) & (local_idx < vocab_local)
-            onehot_grad = torch.where(owned, g_l.squeeze(-1), torch.zeros_like(g_l.squeeze(-1)))
-            grad_z.scatter_add_(-1, local_idx.clamp(0, vocab_local - 1).unsqueeze(-1), onehot_grad.unsqueeze(-1))
-            if temperature != 1.0:
-                grad_z.div_(temperature)
-            grad_logits[rows] = grad_z
+            rows = slice(start, min(start + chunk_size, flat_logits.shape[0]))
+            z = _chunk_scaled_logits(flat_logits[rows], temperature, row_max.dtype)
+            grad_logits[rows] = chunk_grad(z, flat_targets[rows], vocab_start, row_max[rows], log_sum_exp[rows],
+                                           g_logp[rows], flat_entropy[rows],
+                                           None if g_ent is None else g_ent[rows], temperature)
         return grad_logits.reshape(logits.shape), None, None, None, None, None, None
 
 
-def _grad_or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:
+def grad_or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:
     if grad is None:
         return torch.zeros_like(like)
     return grad.reshape(-1).to(like.dtype)

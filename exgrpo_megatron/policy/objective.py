@@ -2,41 +2,25 @@
 
 `token_stats_fn` (forward only): log-probs of the targets and token entropies, used for old
 log-probs, trajectory selection and the mismatch metric. `exgrpo_loss_fn`: the ExGRPO objective of
-`algo/loss.py` on the fused vocab-parallel log-probs and entropy (`policy/logprobs.py`).
+`algo/loss.py` on the chunked vocab-parallel log-probs and entropy (`policy/output_layer.py`).
 """
 
 from __future__ import annotations
 
-import torch
-
 from exgrpo_megatron.algo.loss import exgrpo_loss
 from exgrpo_megatron.policy.batch import MicroBatch
-from exgrpo_megatron.policy.logprobs import vocab_parallel_logprobs_entropy
+from exgrpo_megatron.policy.output_layer import LastStageOutput
 from exgrpo_megatron.policy.policy import LossFn
-from exgrpo_megatron.rollout.sampling import mask_padded_vocab
-
-
-def mask_vocab_padding(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
-    """Give megatron's padded vocabulary ids (>= vocab_size) no probability on this rank's TP shard
-    with the rollout engine's own masking (`rollout.sampling.mask_padded_vocab`), so trainer and
-    sampler log-probs agree."""
-    if vocab_size is None:
-        return logits
-    from megatron.core import parallel_state as ps
-
-    tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
-    return mask_padded_vocab(logits, vocab_size, vocab_start=tp_rank * logits.shape[-1])
 
 
 def token_stats_fn(temperature: float, with_entropy: bool, vocab_size: int | None = None) -> LossFn:
-    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-        logits = mask_vocab_padding(logits, vocab_size)
-        logp, ent = vocab_parallel_logprobs_entropy(logits, mb.labels, temperature=temperature,
-                                                    with_entropy=with_entropy, entropy_grad=False)
+    def loss_fn(output: LastStageOutput, mb: MicroBatch):
+        logp, ent = output.logprobs_entropy(mb, vocab_size=vocab_size, temperature=temperature,
+                                            with_entropy=with_entropy, entropy_grad=False)
         out = {"logprobs": logp.detach()}
         if ent is not None:
             out["entropy"] = ent.detach()
-        return (logits.sum() * 0.0), out
+        return (output.tensor.sum() * 0.0), out
 
     return loss_fn
 
@@ -46,10 +30,9 @@ def exgrpo_loss_fn(*, mixed_phase: bool, temperature: float, clip_ratio: float, 
                    vocab_size: int | None = None) -> LossFn:
     """Extras expected on each micro-batch: old_logprobs, behaviour_logprobs, advantages, replay."""
 
-    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-        logits = mask_vocab_padding(logits, vocab_size)
-        logp, ent = vocab_parallel_logprobs_entropy(logits, mb.labels, temperature=temperature,
-                                                    with_entropy=True, entropy_grad=entropy_coeff > 0)
+    def loss_fn(output: LastStageOutput, mb: MicroBatch):
+        logp, ent = output.logprobs_entropy(mb, vocab_size=vocab_size, temperature=temperature,
+                                            with_entropy=True, entropy_grad=entropy_coeff > 0)
         x = mb.extras
         return exgrpo_loss(
             logp, x["old_logprobs"], x["behaviour_logprobs"], x["advantages"], mb.loss_mask, x["replay"], ent,

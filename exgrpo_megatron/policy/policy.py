@@ -23,9 +23,11 @@ from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
 from exgrpo_megatron.model.layout_init import initialise
 from exgrpo_megatron.policy.batch import MicroBatch, forward_inputs
+from exgrpo_megatron.policy.output_layer import LastStageOutput, stop_before_output_layer
 
-# loss_fn(logits_shard [b, s, V/tp], micro_batch) -> (loss scalar, metrics dict of tensors)
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# loss_fn(last stage's output (logits or hidden states, see output_layer.py), micro_batch)
+#   -> (loss scalar, metrics dict of tensors)
+LossFn = Callable[[LastStageOutput, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass
@@ -121,10 +123,11 @@ class Policy:
     # ---------------------------------------------------------------- forward / backward
     def _forward_step(self, loss_fn: LossFn | None, collect: list, data_iterator, model):
         mb: MicroBatch = next(data_iterator)
-        output = model(**forward_inputs(mb, causal_mask=self.use_mask))
+        with stop_before_output_layer(model, self.cfg.trainer.fused_output_logprobs) as output_weight:
+            output = model(**forward_inputs(mb, causal_mask=self.use_mask))
 
-        def loss_func(logits):
-            loss, metrics = loss_fn(logits, mb)
+        def loss_func(model_output):
+            loss, metrics = loss_fn(LastStageOutput(model_output, output_weight), mb)
             collect.append({k: v.detach() for k, v in metrics.items()})
             return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {}
 

@@ -23,7 +23,6 @@ from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.synthetic import task_fingerprint, warm_start_examples
 from exgrpo_megatron.data.tokenizer import Tokenizer
 from exgrpo_megatron.policy.batch import collate, plan_micro_batches
-from exgrpo_megatron.policy.objective import mask_vocab_padding
 from exgrpo_megatron.policy.policy import Policy
 
 SFT_BATCH = 64
@@ -40,11 +39,8 @@ def cache_key(cfg: RootConfig) -> str:
 
 
 def _ce_loss(normaliser: float, vocab_size: int):
-    from exgrpo_megatron.policy.logprobs import vocab_parallel_logprobs_entropy
-
-    def loss_fn(logits, mb):
-        logp, _ = vocab_parallel_logprobs_entropy(mask_vocab_padding(logits, vocab_size), mb.labels,
-                                                  with_entropy=False)
+    def loss_fn(output, mb):
+        logp, _ = output.logprobs_entropy(mb, vocab_size=vocab_size, with_entropy=False)
         loss = -(logp * mb.loss_mask).sum() / normaliser
         return loss, {"nll_sum": -(logp.detach() * mb.loss_mask).sum().double()}
 
