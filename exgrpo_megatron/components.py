@@ -49,19 +49,15 @@ def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset
 
 
 def build_engine(cfg: RootConfig, policy: Policy, tokenizer: Tokenizer) -> RolloutEngine:
-    if cfg.rollout.engine == "vllm":
-        from exgrpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+    from exgrpo_megatron.rollout.factory import build_rollout_engine
 
-        return VLLMRolloutEngine(policy.modules[0], cfg.model, cfg.model.hf_path,
-                                 gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                                 refit_bucket_mb=cfg.rollout.refit_bucket_mb)
-    from exgrpo_megatron.rollout.megatron_engine import MegatronRolloutEngine
-
-    if len(policy.modules) > 1:
+    if cfg.rollout.engine == "megatron" and len(policy.modules) > 1:
         raise ValueError("parallel.virtual_pipeline_model_parallel_size: the megatron rollout engine needs "
                          "one model chunk per stage; use rollout.engine=vllm with virtual pipelining")
-    return MegatronRolloutEngine(policy.modules[0], tokenizer, vocab_size=cfg.model.vocab_size,
-                                 max_batch_sequences=cfg.rollout.max_batch_sequences)
+    return build_rollout_engine(
+        cfg.rollout.engine, policy.modules[0], cfg.model, tokenizer, vllm=cfg.rollout.vllm, hf_dir=cfg.model.hf_path,
+        seed=cfg.seed, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        max_batch_sequences=cfg.rollout.max_batch_sequences, weights_version=lambda: policy.weights_version)
 
 
 def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:

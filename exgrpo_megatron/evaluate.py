@@ -284,18 +284,26 @@ def load_policy(model_path: str, tp: int, work_dir: str):
     return model.eval(), cfg, hf_dir
 
 
-def build_engine(kind: str, model, cfg, tokenizer, hf_dir: str | None, max_batch_sequences: int):
-    if kind == "megatron":
-        from exgrpo_megatron.rollout import MegatronRolloutEngine
+def vllm_settings(overrides: Sequence[str]):
+    """`rollout.vllm` as conf/rollout/megatron.yaml documents it, with `KEY=VALUE` overrides (--vllm)."""
+    from omegaconf import OmegaConf
 
-        # Sample only ids the tokenizer can decode (a model's vocabulary may be larger than its tokenizer's).
-        vocab = min(cfg.vocab_size, getattr(tokenizer, "vocab_size", cfg.vocab_size))
-        return MegatronRolloutEngine(model, tokenizer, vocab_size=vocab, max_batch_sequences=max_batch_sequences)
-    if not hf_dir:
-        raise ValueError("--engine vllm needs an HF directory for the model config (--tokenizer-dir)")
-    from exgrpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
+    from exgrpo_megatron.config.loader import CONF_DIR
+    from exgrpo_megatron.config.schema import VllmConfig
 
-    return VLLMRolloutEngine(model, cfg, hf_dir)
+    conf = OmegaConf.load(CONF_DIR / "rollout" / "megatron.yaml").vllm
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(VllmConfig), conf,
+                                               OmegaConf.from_dotlist(list(overrides))))
+
+
+def build_engine(kind: str, model, cfg, tokenizer, hf_dir: str | None, args: argparse.Namespace) -> RolloutEngine:
+    from exgrpo_megatron.rollout.factory import build_rollout_engine
+
+    # Sample only ids the tokenizer can decode (a model's vocabulary may be larger than its tokenizer's).
+    vocab = min(cfg.vocab_size, getattr(tokenizer, "vocab_size", cfg.vocab_size))
+    return build_rollout_engine(kind, model, cfg, tokenizer, vllm=vllm_settings(args.vllm), hf_dir=hf_dir,
+                                seed=args.seed, max_model_len=args.max_prompt_length + args.max_new_tokens,
+                                max_batch_sequences=args.max_batch_sequences, vocab_size=vocab)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -316,6 +324,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (launch with torchrun for > 1)")
     p.add_argument("--max-batch-sequences", type=int, default=64)
+    p.add_argument("--vllm", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="vLLM engine settings over conf/rollout's rollout.vllm (e.g. enforce_eager=true)")
     p.add_argument("--prompts-per-call", type=int, default=64)
     p.add_argument("--grade-timeout", type=int, default=5)
     p.add_argument("--out", default="eval_results")
@@ -346,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     dataset = load_prompt_dataset(args.data, tokenizer=tokenizer, template=args.template,
                                   max_prompt_length=args.max_prompt_length)
     questions = group_questions(dataset)
-    engine = build_engine(args.engine, model, cfg, tokenizer, hf_dir, args.max_batch_sequences)
+    engine = build_engine(args.engine, model, cfg, tokenizer, hf_dir, args)
     is_writer = dist.get_rank() == 0
     start = time.perf_counter()
     records = evaluate_questions(questions, engine, tokenizer, settings,

@@ -15,8 +15,6 @@ import torch
 from exgrpo_megatron.checkpoint import (
     REQUEUE_EXIT_CODE,
     PreemptionHandler,
-    load_checkpoint,
-    load_model_weights,
     model_config_to_yaml,
     resolve_resume,
     save_checkpoint,
@@ -48,9 +46,7 @@ class RunState:
         if resume is not None:
             state.load(resume)
         elif cfg.checkpoint.init_from or cfg.trainer.sft_warm_start_steps > 0:
-            init = cfg.checkpoint.init_from or warm_start_weights(cfg, c.tokenizer)
-            load_model_weights(init, c.policy.modules, model_config=cfg.model)
-            c.policy.optimizer.reload_model_params()
+            c.policy.load_weights(cfg.checkpoint.init_from or warm_start_weights(cfg, c.tokenizer))
         main = c.layout.rank == 0
         if main:
             save_resolved_config(cfg.logging.run_dir, to_yaml(cfg))
@@ -86,8 +82,7 @@ class RunState:
 
     def load(self, path) -> None:
         c = self.c
-        loaded = load_checkpoint(path, model_chunks=c.policy.modules, model_config=c.cfg.model,
-                                 optimizer=c.policy.optimizer, opt_param_scheduler=c.policy.scheduler)
+        loaded = c.policy.load_checkpoint(path)
         ts = loaded.trainer_state
         self.step = self.last_saved = int(ts["step"])
         self.collected_once = bool(ts["collected_once"])

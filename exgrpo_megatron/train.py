@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.config.validate import ConfigError, validate
+from exgrpo_megatron.config.validate import ConfigError, validate, vllm_startup_errors
 from exgrpo_megatron.distributed.launch_env import launch_env
 
 EXIT_INVALID_CONFIG = 2
@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(dry_run_report(cfg, world_size))
         return 0
+    startup_errors = vllm_startup_errors(cfg)
+    if startup_errors:
+        print(f"exgrpo-train: {ConfigError(startup_errors)}", file=sys.stderr)
+        return EXIT_INVALID_CONFIG
     from exgrpo_megatron.trainer import run_training
 
     return run_training(cfg)

@@ -59,9 +59,10 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
                             top_k=r.top_k, stop_strings=list(r.stop), seed=step_seed(cfg.seed, step))
     grading = StreamingGrading(c.grader, c.tokenizer, mine, cfg.reward.require_think)
     c.engine.wake()
-    samples = generate_groups(c.engine, mine, r.n, params, on_chunk=grading.submit)
+    samples = generate_groups(c.engine, mine, r.n, params, on_chunk=grading.submit)  # vLLM refits first if stale
     c.engine.sleep()
     t_gen = time.perf_counter()
+    t_refit = float(getattr(c.engine, "refit_seconds", 0.0))
     # 3. collect the grades (time/reward: the part not overlapped with generation), advantages, pool update,
     #    delayed-start switch
     graded = grading.result()
@@ -103,7 +104,6 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
         update = c.policy.optimizer_step(a.skip_grad_bound)
         totals.add_update(update)
         state.consecutive_skips = state.consecutive_skips + 1 if update.skipped else 0
-    c.engine.update_weights()
     t_train = time.perf_counter()
     out = totals.finish(summarize_loss_metrics)
     out.update({
@@ -111,6 +111,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
         "experience/n_replayed": float(sum(g.replay is not None for g in groups)),
         "time/generate": t_gen - t0, "time/reward": t_rew - t_gen, "time/train": t_train - t_rew,
         "time/step": t_train - t0, "reward/grader_timeouts": float(graded.n_timeouts_killed),
+        "time/refit": t_refit if c.cfg.rollout.engine == "vllm" else 0.0,
     })
     out["throughput/tokens_per_s"] = out.pop("tokens/total", 0.0) / max(out["time/step"], 1e-9)
     if c.pool is not None:

@@ -18,7 +18,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("ckpt")
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--tokenizer", default=None, help="copy tokenizer files from this dir (default: model.hf_path)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="copy tokenizer files from this dir, or 'char' for the built-in character tokenizer "
+                        "(default: model.hf_path; a run trained with data.tokenizer=char exports 'char')")
     parser.add_argument("--shard-size-gb", type=float, default=5.0)
     parser.add_argument("--model-config", default=None, help="model_config.yaml when CKPT has none")
     parser.add_argument("--no-progress", action="store_true")

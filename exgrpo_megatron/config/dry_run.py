@@ -18,7 +18,13 @@ with flash attention and no dropout):
   `T x L/PP x h/(TP if SP) x 2 B` stays plus one layer recomputed; plus the vocab-parallel logits
   and their gradient, `2 x T x V/TP x 2 B` (the log-prob kernel chunks its fp32 buffers);
 * KV cache: megatron engine `max_batch_sequences x (prompt + response) x 2 x L/PP x G/TP x d x 2 B`;
-  vLLM takes `gpu_memory_utilization x GPU memory` for its own weight copy plus KV cache.
+  vLLM takes `rollout.vllm.gpu_memory_utilization x GPU memory` for its own weight copy plus KV cache;
+* runtime slack per rank: CUDA context, NCCL communicator buffers and caching-allocator fragmentation
+  (RUNTIME_SLACK_GIB), added to both peaks.
+
+With vLLM the plan assumes its sleep mode frees the share while the policy trains (`rollout.vllm.sleep_level`);
+the report also shows the training peak without sleep (training peak + the share), which is what a
+platform without sleep mode needs.
 
 A warning line is printed when a phase's estimate exceeds the 80 GiB of an H100 80GB.
 """
@@ -35,6 +41,8 @@ GIB = 1024**3
 GPU_MEMORY_GIB = 80.0  # one H100 80GB (the paper's hardware)
 GRAD_BYTES = 4  # fp32 main-grad buffer
 ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq
+# Per rank, outside the estimates above: CUDA context ~0.5-1 GiB, NCCL buffers ~1 GiB, allocator fragmentation.
+RUNTIME_SLACK_GIB = 3.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,8 @@ class MemoryEstimate:
     activations_full_recompute: int
     generation: int  # KV cache (megatron engine) or the vLLM share (weights + KV)
     vllm_kv_tokens: int  # vLLM: KV-cache capacity in tokens per rank (0 for the megatron engine)
+    runtime_slack: int = int(RUNTIME_SLACK_GIB * GIB)  # CUDA context + NCCL + allocator, per rank
+    vllm_share: int = 0  # the vLLM share (0 for the megatron engine)
 
     @property
     def train_state(self) -> int:
@@ -107,11 +117,17 @@ class MemoryEstimate:
 
     @property
     def train_peak(self) -> int:
-        return self.train_state + self.activations
+        """Training with vLLM asleep (its share freed)."""
+        return self.train_state + self.activations + self.runtime_slack
 
     @property
     def generation_peak(self) -> int:
-        return self.train_state + self.generation
+        return self.train_state + self.generation + self.runtime_slack
+
+    @property
+    def train_peak_without_sleep(self) -> int:
+        """Training while vLLM keeps its share (no sleep mode)."""
+        return self.train_peak + self.vllm_share
 
 
 def param_bytes(m: ModelConfig) -> int:
@@ -156,7 +172,7 @@ def estimate_memory(cfg: RootConfig, world_size: int) -> MemoryEstimate:
     with_rc, without_rc = activation_bytes(cfg, True), activation_bytes(cfg, False)
     seq_len = d.max_prompt_length + d.max_response_length
     if r.engine == "vllm":
-        share = int(r.gpu_memory_utilization * GPU_MEMORY_GIB * GIB)
+        share = int(r.vllm.gpu_memory_utilization * GPU_MEMORY_GIB * GIB)
         vllm_weights = counts.total // tp * 2
         kv_tokens = max(share - vllm_weights, 0) // kv_bytes_per_token(m, tp, 1)
         generation = share
@@ -172,6 +188,7 @@ def estimate_memory(cfg: RootConfig, world_size: int) -> MemoryEstimate:
         activations_full_recompute=with_rc,
         generation=generation,
         vllm_kv_tokens=kv_tokens,
+        vllm_share=generation if r.engine == "vllm" else 0,
     )
 
 
@@ -227,7 +244,8 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
     if r.engine == "vllm":
         seqs = cfg.trainer.train_batch_size * r.n // dp
         demand = seqs * (cfg.data.max_prompt_length + cfg.data.max_response_length)
-        lines.append(f"  vLLM share       {_gib(est.generation)}   gpu_memory_utilization {r.gpu_memory_utilization} x "
+        lines.append(f"  vLLM share       {_gib(est.generation)}   rollout.vllm.gpu_memory_utilization "
+                     f"{r.vllm.gpu_memory_utilization} x "
                      f"{GPU_MEMORY_GIB:.0f} GiB (its weight copy + KV cache)")
         lines.append(f"    KV-cache capacity ~{est.vllm_kv_tokens:,} tokens per engine "
                      f"({kv_bytes_per_token(m, p.tensor_model_parallel_size, 1):,} B/token/GPU); "
@@ -236,11 +254,17 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
         seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         lines.append(f"  KV cache         {_gib(est.generation)}   megatron engine: {r.max_batch_sequences} sequences"
                      f" x {seq_len} tokens x {kv_per_token:,} B/token")
+    slack = f" + runtime slack {RUNTIME_SLACK_GIB:.0f} GiB (CUDA context, NCCL, allocator)"
     lines += [
-        f"  training peak    {_gib(est.train_peak)}   weights + gradients + optimizer + activations",
+        f"  training peak    {_gib(est.train_peak)}   weights + gradients + optimizer + activations{slack}",
         f"  generation peak  {_gib(est.generation_peak)}   weights + gradients + optimizer (resident) + "
-        f"{'vLLM share' if r.engine == 'vllm' else 'KV cache'}",
+        f"{'vLLM share' if r.engine == 'vllm' else 'KV cache'}{slack}",
     ]
+    if r.engine == "vllm":
+        over = " > " if est.train_peak_without_sleep > GPU_MEMORY_GIB * GIB else " <= "
+        lines.append(f"  assumes vLLM sleeps while training (rollout.vllm.sleep_level={r.vllm.sleep_level} frees its "
+                     f"share); without sleep the training peak is {est.train_peak_without_sleep / GIB:.1f} GiB"
+                     f"{over}{GPU_MEMORY_GIB:.0f} GiB (training peak + vLLM share)")
     warnings = []
     for phase, value in (("training", est.train_peak), ("generation", est.generation_peak)):
         if value > GPU_MEMORY_GIB * GIB:

@@ -59,6 +59,16 @@ class OptimConfig:
 
 
 @dataclass
+class VllmConfig:
+    gpu_memory_utilization: float = 0.5  # share of GPU memory (RAM on vLLM's CPU build) for weights + KV cache
+    refit_bucket_mb: int = 512  # size of one weight-refit bucket
+    enforce_eager: bool = False  # true: no CUDA graphs / torch.compile (fast start-up; the CPU build needs it)
+    dtype: str = "auto"  # auto (the policy's parameter dtype) | fp32 | bf16 | fp16
+    max_model_len: Optional[int] = None  # None = data.max_prompt_length + data.max_response_length
+    sleep_level: int = 1  # 1: offload weights, drop KV cache | 2: drop both (no-op where vLLM has no sleep mode)
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "megatron"  # megatron | vllm
     n: int = 8  # K rollouts per question
@@ -67,10 +77,9 @@ class RolloutConfig:
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
     max_batch_sequences: int = 64  # megatron engine: sequences decoded together
-    gpu_memory_utilization: float = 0.5  # vllm: share of GPU memory for weights + KV cache
-    refit_bucket_mb: int = 512  # vllm: size of one weight-refit bucket
     val_temperature: float = 0.6
     val_top_p: float = 1.0
+    vllm: VllmConfig = field(default_factory=VllmConfig)  # rollout.engine=vllm only
 
 
 @dataclass

