@@ -88,8 +88,9 @@ def evaluate(model: str, hf_dir: str, out: str, engine: str, python: str, log: s
     with open(summary) as f:
         s = json.load(f)
     row = s["benchmarks"]["word_problems"]
-    return {"accuracy": row["accuracy"], "questions": row["questions"], "truncated": row["truncated"],
-            "seconds": s["seconds"]}
+    # accuracy: the boxed-answer label (evaluate.py's); math_verify_accuracy: the training reward's grader
+    return {"accuracy": row["accuracy"], "math_verify_accuracy": row["math_verify_accuracy"],
+            "questions": row["questions"], "truncated": row["truncated"], "seconds": s["seconds"]}
 
 
 def train_arm(arm: str, args: argparse.Namespace, hf_dir: str, ckpt: str) -> dict:
