@@ -176,6 +176,31 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
+def snapshot(args: argparse.Namespace) -> None:
+    """Results of a run still in progress: every arm with logged steps, finished or not (no training)."""
+    results: dict = {"command": shlex.join([sys.executable, *sys.argv]), "steps": args.steps, "arms": {}}
+    before = os.path.join(args.root, "eval_before", "summary.json")
+    if os.path.isfile(before):
+        with open(before) as f:
+            row = json.load(f)["benchmarks"]["word_problems"]
+        results["eval_before"] = {k: row[k] for k in ("accuracy", "math_verify_accuracy", "questions")}
+    for arm in args.arms:
+        done = os.path.join(args.root, arm, "arm.json")
+        if os.path.isfile(done):
+            with open(done) as f:
+                r = {**json.load(f), "complete": True}
+        elif os.path.isfile(os.path.join(args.root, arm, "run", "metrics.jsonl")):
+            r = {"arm": arm, "complete": False, "steps": load_steps(os.path.join(args.root, arm, "run")),
+                 "eval_after": None}
+        else:
+            continue
+        results["arms"][arm] = {**r, "summary": summarize(r)}
+    with open(RESULTS_JSON, "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, RESULTS_PNG)
+    print(json.dumps({a: r["summary"] for a, r in results["arms"].items()}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -184,7 +209,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", default=os.path.join(REPO, "runs", "bench_real_model_e2e"))
     parser.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"))
     parser.add_argument("--vllm-memory", type=float, default=0.3, help="rollout.vllm.gpu_memory_utilization")
+    parser.add_argument("--snapshot", action="store_true",
+                        help="write the JSON/PNG from the steps logged so far (unfinished arms: complete=false)")
     args = parser.parse_args(argv)
+    if args.snapshot:
+        return snapshot(args)
     os.makedirs(args.root, exist_ok=True)
     hf_dir, ckpt = prepare(args.root)
     results = {"command": shlex.join([sys.executable, *sys.argv]), "steps": args.steps, "arms": {}}
