@@ -28,7 +28,11 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int | None) -> torch.Te
     return mask_padded_vocab(logits, vocab_size, vocab_start=tp_rank * logits.shape[-1])
 
 
-def token_stats_fn(temperature: float, with_entropy: bool, vocab_size: int | None = None) -> LossFn:
+def token_stats_fn(temperature: float, with_entropy: bool, vocab_size: int | None = None,
+                   logprob_temperature: float | None = None) -> LossFn:
+    """logprobs (and entropy) at `temperature`; with `logprob_temperature`, also "logprobs_at": the log-probs at
+    that temperature from the same logits (the selection pass scores at T = 1 and keeps pi_old at the rollout
+    temperature without a second model forward)."""
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
         logits = mask_vocab_padding(logits, vocab_size)
         logp, ent = vocab_parallel_logprobs_entropy(logits, mb.labels, temperature=temperature,
@@ -36,6 +40,10 @@ def token_stats_fn(temperature: float, with_entropy: bool, vocab_size: int | Non
         out = {"logprobs": logp.detach()}
         if ent is not None:
             out["entropy"] = ent.detach()
+        if logprob_temperature is not None:
+            out["logprobs_at"] = logp.detach() if logprob_temperature == temperature else (
+                vocab_parallel_logprobs_entropy(logits, mb.labels, temperature=logprob_temperature,
+                                                with_entropy=False, entropy_grad=False)[0].detach())
         return (logits.sum() * 0.0), out
 
     return loss_fn
@@ -44,17 +52,25 @@ def token_stats_fn(temperature: float, with_entropy: bool, vocab_size: int | Non
 def exgrpo_loss_fn(*, mixed_phase: bool, temperature: float, clip_ratio: float, shaping_beta: float,
                    entropy_coeff: float, pg_normaliser: float, entropy_normaliser: float,
                    vocab_size: int | None = None) -> LossFn:
-    """Extras expected on each micro-batch: old_logprobs, behaviour_logprobs, advantages, replay."""
+    """Extras expected on each micro-batch: old_logprobs, behaviour_logprobs, advantages, replay. With the optional
+    extra generation_logprobs (the first update of a step, weights still pi_old) the metrics also hold
+    mismatch_sum / mismatch_count: sum and count of exp(|logp_generation - logp|) over fresh response tokens,
+    the engine-vs-trainer mismatch measured on the training forward itself (no extra pass)."""
 
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
         logits = mask_vocab_padding(logits, vocab_size)
         logp, ent = vocab_parallel_logprobs_entropy(logits, mb.labels, temperature=temperature,
                                                     with_entropy=True, entropy_grad=entropy_coeff > 0)
         x = mb.extras
-        return exgrpo_loss(
+        loss, metrics = exgrpo_loss(
             logp, x["old_logprobs"], x["behaviour_logprobs"], x["advantages"], mb.loss_mask, x["replay"], ent,
             mixed_phase=mixed_phase, clip_ratio=clip_ratio, shaping_beta=shaping_beta, entropy_coeff=entropy_coeff,
             pg_normaliser=pg_normaliser, entropy_normaliser=entropy_normaliser,
         )
+        if "generation_logprobs" in x:
+            fresh = mb.loss_mask.bool() & ~x["replay"].bool()
+            err = torch.exp((x["generation_logprobs"].double() - logp.detach().double()).abs())
+            metrics = {**metrics, "mismatch_sum": err[fresh].sum(), "mismatch_count": fresh.sum().double()}
+        return loss, metrics
 
     return loss_fn

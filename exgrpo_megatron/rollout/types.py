@@ -18,6 +18,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["eos", "stop", "length", "replay"]
 
+VLLM_DTYPE = "bfloat16"  # the colocated vLLM engine's compute dtype (its log-probs are not the fp32 policy's)
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -24,10 +24,10 @@ Cycle per step (trainer): `wake()` -> `update_weights()` -> `generate()` -> `sle
 Log-probs: requested as `logprobs=0` (the sampled token's) with `logprobs_mode="processed_logprobs"`
 (after temperature). With top_p=1 and top_k disabled (the ExGRPO defaults) that is
 log_softmax(logits / T), the contract in rollout/types.py; with top-p/top-k, vLLM versions differ
-on whether the value is renormalised over the kept set, so the trainer's recomputed old log-probs
-(algo.recompute_old_logprobs=true) should be used. Seeds: vLLM's per-request `seed` (one generator
-per request covering its n samples), so results depend on the seed, not on batch composition,
-but they are not equal to the megatron engine's samples.
+on whether the value is renormalised over the kept set. In bf16 (VLLM_DTYPE) they are not the fp32
+policy's either, so algo.old_logprobs=auto recomputes pi_old (policy/old_logprobs.py).
+Seeds: vLLM's per-request `seed` (one generator per request covering its n samples), so results
+depend on the seed, not on batch composition, but they are not equal to the megatron engine's samples.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from exgrpo_megatron.rollout.megatron_engine import unwrap_model
 from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
 from exgrpo_megatron.rollout.sampling import row_seed
-from exgrpo_megatron.rollout.types import FinishReason, Sample, SamplingParams, request_seeds_for
+from exgrpo_megatron.rollout.types import VLLM_DTYPE, FinishReason, Sample, SamplingParams, request_seeds_for
 
 
 def finish_reason_from_vllm(finish_reason: str | None, stop_reason: int | str | None) -> FinishReason:
@@ -61,7 +61,7 @@ class VLLMRolloutEngine:
         *,
         gpu_memory_utilization: float = 0.5,
         refit_bucket_mb: int = 512,
-        dtype: str = "bfloat16",
+        dtype: str = VLLM_DTYPE,
         max_model_len: int | None = None,
         sleep_level: int = 1,
         enforce_eager: bool = False,
