@@ -118,7 +118,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
         "time/generate": t_gen - t0, "time/reward": t_rew - t_gen, "time/train": t_train - t_rew,
         "time/step": t_train - t0, "reward/grader_timeouts": float(graded.n_timeouts_killed),
         "time/old_logprobs": t_old - t_rew, "time/refit": t_train - t_upd,
-        "old_logprobs/forward_rows": float(old_forward_rows),
+        "old_logprobs/forward_rows": float(totals.all_reduce_dp(torch.tensor([float(old_forward_rows)]))[0]),
     })
     out["throughput/tokens_per_s"] = out.pop("tokens/total", 0.0) / max(out["time/step"], 1e-9)
     if c.pool is not None:
