@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -114,6 +115,12 @@ def worker(overrides: list[str], out_path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ driver
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def step_record(m: dict, passes: dict, samples: int) -> dict:
     old, refit, train = m["time/old_logprobs"], m["time/refit"], m["time/train"]
     seqs = sum(p["sequences"] for p in passes.values())
@@ -174,7 +181,7 @@ def main() -> None:
                          *COMMON, *arms[arm]]
             t0 = time.perf_counter()
             subprocess.run([sys.executable, os.path.abspath(__file__), "--out", out, "--worker", *overrides],
-                           cwd=REPO, env=env, check=True)
+                           cwd=REPO, env=env | {"MASTER_PORT": str(_free_port())}, check=True)
             walls[arm].append(time.perf_counter() - t0)
             with open(out) as f:
                 got = json.load(f)
