@@ -1,9 +1,10 @@
 """One RL step of the CPU demo, today's path vs the default, per phase (issue 17).
 
-Two arms at the demo shape (``conf/demo_cpu.yaml``: B=64 prompts x K=8, 2 updates per step), same seed, run in
-fresh processes and interleaved (round r runs ``today`` then ``default``, round r+1 the other order) so load on
+Arms at the demo shape (``conf/demo_cpu.yaml``: B=64 prompts x K=8, 2 updates per step), same seed, run in
+fresh processes and interleaved (round r runs the arms in order, round r+1 in reverse) so load on
 the shared machine hits both alike:
 * ``default``: the config as it is (every switch at its configured default);
+* ``default_1_thread``: the default with ``trainer.train_threads=1`` (diagnostic: the threads' share alone);
 * ``today``: every switch of `SWITCHES` at its old value: old log-probs recomputed by a second forward pass,
   1 thread, no sequence packing, no fused output layer, megatron's unfused core attention.
 A switch whose key the config does not have (its branch not merged yet) is left out and listed under
@@ -164,13 +165,15 @@ def main() -> None:
         worker(args.worker, args.out)
         return
     present, absent = present_switches()
-    arms = {"today": [f"{k}={_fmt(v)}" for k, v in present], "default": []}
+    arms = {"today": [f"{k}={_fmt(v)}" for k, v in present], "default": [],
+            "default_1_thread": ["trainer.train_threads=1"]}  # diagnostic: every switch but the threads
     records: dict[str, list[list[dict]]] = {a: [] for a in arms}
+    load_start = os.getloadavg()
     walls: dict[str, list[float]] = {a: [] for a in arms}
     env = os.environ | {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                         "TOKENIZERS_PARALLELISM": "false"}  # what `make demo` runs with
     for r in range(args.rounds):
-        for arm in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+        for arm in (list(arms) if r % 2 == 0 else list(arms)[::-1]):  # interleaved: alternate the order
             run_dir = os.path.join(args.root, f"{arm}_r{r}")
             out = os.path.join(run_dir, "bench.json")
             os.makedirs(run_dir, exist_ok=True)
@@ -190,18 +193,22 @@ def main() -> None:
             print(f"round {r} {arm}: {summarise(records[arm][-1])['step']:.2f} s/step", flush=True)
     summary = {a: summarise([s for run in runs for s in run]) for a, runs in records.items()}
     speedup = {p: summary["today"][p] / summary["default"][p] for p in PHASES if summary["default"][p] > 0}
-    rows = [(p, summary["today"][p], summary["default"][p], speedup.get(p, float("nan"))) for p in PHASES]
-    print(f"{'phase (s, mean of steps 2..N)':32s} {'today':>8s} {'default':>8s} {'today/default':>14s}")
-    for p, a, b, s in rows:
-        print(f"{p:32s} {a:8.3f} {b:8.3f} {s:14.2f}")
+    speedup_1t = {p: summary["today"][p] / summary["default_1_thread"][p] for p in PHASES
+                  if summary["default_1_thread"][p] > 0}
+    print(f"{'phase (s, mean of steps 2..N)':32s} {'today':>8s} {'default':>8s} {'1 thread':>8s} "
+          f"{'today/default':>14s} {'today/1 thread':>15s}")
+    for p in PHASES:
+        print(f"{p:32s} {summary['today'][p]:8.3f} {summary['default'][p]:8.3f} {summary['default_1_thread'][p]:8.3f} "
+              f"{speedup.get(p, float('nan')):14.2f} {speedup_1t.get(p, float('nan')):15.2f}")
     for k in ("forward_passes_per_sample", "update_padding_share", "all_padding_share", "reward_mean", "mismatch"):
-        print(f"{k:32s} {summary['today'][k]:8.3f} {summary['default'][k]:8.3f}")
+        print(f"{k:32s} {summary['today'][k]:8.3f} {summary['default'][k]:8.3f} {summary['default_1_thread'][k]:8.3f}")
     result = {
         "command": "python bench/demo_step.py " + " ".join(sys.argv[1:]),
         "config": "demo_cpu", "common_overrides": COMMON, "steps": args.steps, "rounds": args.rounds,
         "switches_today": dict(present), "absent_switches": absent,
         "cores": len(os.sched_getaffinity(0)), "load_average_end": os.getloadavg(),
-        "speedup_today_over_default": speedup, "summary": summary, "wall_s_per_run": walls, "per_step": records,
+        "speedup_today_over_default": speedup, "speedup_today_over_default_1_thread": speedup_1t,
+        "load_average_start": load_start, "summary": summary, "wall_s_per_run": walls, "per_step": records,
         "targets": {"train_phase": 3.0, "step": 2.0},
     }
     os.makedirs(os.path.dirname(RESULTS_JSON), exist_ok=True)
