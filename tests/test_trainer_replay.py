@@ -345,17 +345,15 @@ def test_on_policy_grpo_keeps_the_warmup_clip(tmp_path, sft_dir):
 # ------------------------------------------------------------------------------------------- pi_old from the rollout
 def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
     """run_training with algo.old_logprobs=auto (rollout log-probs for fresh rows, the selection pass's for replayed
-    rows). At the first update of every step the weights are still pi_old's, so the spy also runs that update the
-    switched-off way -- pi_old recomputed by a forward pass of the same micro-batches -- and records both losses and
-    gradients, then runs the real (switched-on) one last so training goes on with its gradients."""
+    rows). Each step the spy also computes what the switched-off trainer uses -- pi_old recomputed by a forward pass
+    of every row, before any update -- and runs every update both ways on the trainer's own micro-batches: first
+    with the recomputed pi_old (switched off), then the real one (switched on, whose gradients the optimizer uses)."""
     import exgrpo_megatron.trainer as trainer
     from exgrpo_megatron.distributed.threads import available_cores
-    from exgrpo_megatron.policy.batch import MicroBatch
-    from exgrpo_megatron.policy.objective import token_stats_fn
 
     cfg = load_config("demo_cpu", overrides)
-    temperature, vocab = cfg.rollout.temperature, cfg.model.vocab_size
-    rec: dict = {"steps": [], "threads_train": set(), "threads_generate": set(), "cores": available_cores()}
+    rec: dict = {"steps": [], "updates": [], "threads_train": set(), "threads_generate": set(),
+                 "cores": available_cores()}
     now: dict = {}
 
     def grads(policy) -> list[torch.Tensor]:
@@ -367,41 +365,46 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
             return loss_fn(logits, mb)
         return fn
 
+    def old_logprobs(original):
+        def wrapper(policy, batch, replay_current, source, **kw):
+            out = original(policy, batch, replay_current, source, **kw)
+            now["recomputed"], _ = original(policy, batch, replay_current, "recompute", **kw)
+
+            def diff(rows):
+                return max((float((out[i] - now["recomputed"][i]).abs().max()) for i in rows), default=0.0)
+            replay = [i for i, r in enumerate(batch.is_replay) if r]
+            fresh = [i for i, r in enumerate(batch.is_replay) if not r]
+            rec["steps"].append({
+                "source": source, "replay_rows": len(replay), "replay_old_vs_recompute": diff(replay),
+                "fresh_old_vs_recompute": diff(fresh),
+                "replay_old_vs_behaviour": max((float((out[i] - batch.gen_logprobs[i]).abs().max()) for i in replay),
+                                               default=0.0)})
+            return out
+        return wrapper
+
+    def micro_batches(original):
+        def wrapper(batch, rows, old, behaviour, max_tokens, **kw):
+            re = now["recomputed"]
+            re_behaviour = [b if rep else o for b, o, rep in zip(behaviour, re, batch.is_replay, strict=True)]
+            now["off"] = original(batch, rows, re, re_behaviour, max_tokens)
+            now["replay_rows"] = sum(batch.is_replay[i] for i in rows)
+            return original(batch, rows, old, behaviour, max_tokens, **kw)
+        return wrapper
+
     def spy_forward_backward(policy):
         fb = policy.forward_backward
 
         def forward_backward(mbs, loss_fn, forward_only=False):
-            if forward_only or now["update"] > 0:
-                now["update"] += 0 if forward_only else 1
-                return fb(mbs, counting(loss_fn), forward_only=forward_only)
-            now["update"] = 1
-            recomputed = fb(mbs, token_stats_fn(temperature, False, vocab), forward_only=True)
-            off = []
-            for mb, r in zip(mbs, recomputed, strict=True):
-                x = {k: v for k, v in mb.extras.items() if k != "generation_logprobs"}
-                x["old_logprobs"] = torch.where(mb.loss_mask.bool(), r["logprobs"], torch.zeros_like(r["logprobs"]))
-                x["behaviour_logprobs"] = torch.where(x["replay"].bool(), mb.extras["behaviour_logprobs"],
-                                                      x["old_logprobs"])
-                off.append(MicroBatch(mb.tokens, mb.loss_mask, x, list(mb.rows)))
+            if forward_only:
+                return fb(mbs, counting(loss_fn), forward_only=True)
             policy.zero_grad()
-            m_off = fb(off, loss_fn)
+            m_off = fb(now["off"], loss_fn)
             g_off = grads(policy)
             policy.zero_grad()
-            m_on = fb(mbs, loss_fn)
+            m_on = fb(mbs, counting(loss_fn))
             g_on = grads(policy)
-            replay = [mb.extras["replay"].bool() & mb.loss_mask.bool() for mb in mbs]
-            fresh = [~r & mb.loss_mask.bool() for r, mb in zip(replay, mbs, strict=True)]
-
-            def max_diff(a_key: str, b: list[torch.Tensor], masks) -> float:
-                return max((float((mb.extras[a_key] - o)[m].abs().max()) for mb, o, m in zip(mbs, b, masks, strict=True)
-                            if m.any()), default=0.0)
-            off_old = [mb.extras["old_logprobs"] for mb in off]
-            rec["steps"].append({
-                "step": now["step"], "replay_tokens": int(sum(int(m.sum()) for m in replay)),
-                "replay_old_vs_recompute": max_diff("old_logprobs", off_old, replay),
-                "replay_old_vs_behaviour": max_diff("old_logprobs", [mb.extras["behaviour_logprobs"] for mb in mbs],
-                                                    replay),
-                "fresh_old_vs_recompute": max_diff("old_logprobs", off_old, fresh),
+            rec["updates"].append({
+                "replay_rows": now["replay_rows"],
                 "pg_on": sum(float(m["pg_loss"]) for m in m_on), "pg_off": sum(float(m["pg_loss"]) for m in m_off),
                 "grad_scale": max(float(g.abs().max()) for g in g_off),
                 "grad_diff": max(float((a - b).abs().max()) for a, b in zip(g_on, g_off, strict=True)),
@@ -412,7 +415,6 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
 
     def train_step(original):
         def wrapper(c, state, step):
-            now.update(step=step, update=0)
             if "spied" not in now:
                 now["spied"] = True
                 c.policy.forward_backward = spy_forward_backward(c.policy)
@@ -426,7 +428,8 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
             return original(*args, **kwargs)
         return wrapper
 
-    with _spy(trainer, "train_step", train_step), _spy(trainer, "generate_groups", generate):
+    with (_spy(trainer, "train_step", train_step), _spy(trainer, "generate_groups", generate),
+          _spy(trainer, "old_logprobs", old_logprobs), _spy(trainer, "micro_batches_for_update", micro_batches)):
         assert trainer.run_training(cfg) == 0
     rec["threads_after"] = torch.get_num_threads()
     rec["metrics"] = _metrics(cfg.logging.run_dir)
@@ -435,22 +438,24 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
 
 def test_old_logprobs_from_the_rollout_give_the_recompute_loss_and_gradients(tmp_path, sft_dir):
     """algo.old_logprobs=auto on the megatron engine takes pi_old from the rollout (fresh rows) and from the selection
-    pass (replayed rows): at a temperature that is not the selection's 1, the same losses and gradients as the
-    recompute, replayed rows' pi_old equal to a fresh forward pass and not the stale behaviour log-probs; most
-    replayed rows need no forward pass; the mismatch metric is measured (on the first update) and is ~1; the policy's
-    passes ran on trainer.train_threads (auto: this machine's cores) and generation on the process's one thread."""
+    pass (replayed rows): at a temperature that is not the selection's 1, every update (replay rows included) has the
+    loss and gradients of the recompute, replayed rows' pi_old equal a fresh forward pass and not the stale behaviour
+    log-probs, most replayed rows need no forward pass, the mismatch metric is measured (first update) and ~1, and
+    the policy's passes ran on trainer.train_threads (auto: this machine's cores), generation on the one thread."""
     got = run_on_ranks(_train_comparing_old_logprobs, 1, args=(_replay_overrides(
         str(tmp_path / "oldlp"), sft_dir, ("rollout.temperature=0.8", "algo.old_logprobs=auto")),))[0]
     assert got["resolved"] == "rollout"
-    assert [s["step"] for s in got["steps"]] == list(range(1, STEPS + 1))
-    replay_steps = [s for s in got["steps"] if s["replay_tokens"] > 0]
-    assert len(replay_steps) >= 2, got["steps"]
+    assert len(got["steps"]) == STEPS and all(s["source"] == "rollout" for s in got["steps"])
     for s in got["steps"]:
         assert s["fresh_old_vs_recompute"] < 2e-5, s  # the engine's log-probs are pi_old
         assert s["replay_old_vs_recompute"] < 2e-5, s  # the selection pass's too, at the loss temperature
-        assert s["pg_on"] == pytest.approx(s["pg_off"], rel=1e-4, abs=1e-7), s
-        assert s["grad_diff"] <= 1e-4 * s["grad_scale"] + 1e-9, s
+    replay_steps = [s for s in got["steps"] if s["replay_rows"] > 0]
+    assert len(replay_steps) >= 2, got["steps"]
     assert max(s["replay_old_vs_behaviour"] for s in replay_steps) > 1e-3  # stale pi_behaviour would not do
+    assert sum(u["replay_rows"] for u in got["updates"]) > 0
+    for u in got["updates"]:
+        assert u["pg_on"] == pytest.approx(u["pg_off"], rel=1e-4, abs=1e-7), u
+        assert u["grad_diff"] <= 1e-4 * u["grad_scale"] + 1e-9, u
     logged = got["metrics"]
     replayed = sum(m["experience/n_replayed"] for m in logged)
     forward_rows = sum(m["old_logprobs/forward_rows"] for m in logged)
