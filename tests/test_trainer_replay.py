@@ -367,7 +367,8 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
 
     def old_logprobs(original):
         def wrapper(policy, batch, replay_current, source, **kw):
-            out = original(policy, batch, replay_current, source, **kw)
+            result = original(policy, batch, replay_current, source, **kw)
+            out = result[0]
             now["recomputed"], _ = original(policy, batch, replay_current, "recompute", **kw)
 
             def diff(rows):
@@ -379,7 +380,7 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
                 "fresh_old_vs_recompute": diff(fresh),
                 "replay_old_vs_behaviour": max((float((out[i] - batch.gen_logprobs[i]).abs().max()) for i in replay),
                                                default=0.0)})
-            return out
+            return result
         return wrapper
 
     def micro_batches(original):
