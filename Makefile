@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# One intra-op thread for generation + grading (the grader pool's processes take the other cores) and for
+# multi-rank tests (one thread per rank); the policy's own passes raise it to trainer.train_threads (all of
+# this rank's cores by default) and restore it (exgrpo_megatron/distributed/threads.py).
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false

@@ -14,6 +14,7 @@ from exgrpo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from exgrpo_megatron.distributed.runtime import ParallelLayout
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
 from exgrpo_megatron.experience.switch import MixedModeSwitch
+from exgrpo_megatron.policy.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.reward.grader import GraderPool
 from exgrpo_megatron.rollout.types import RolloutEngine
@@ -32,6 +33,7 @@ class Components:
     policy: Policy
     engine: RolloutEngine
     grader: GraderPool
+    old_logprobs: str = "recompute"  # algo.old_logprobs resolved: recompute | rollout (policy/old_logprobs.py)
 
 
 def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
@@ -86,4 +88,5 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
         sampler=PromptSampler(train.qids(), seed=cfg.seed, shuffle=cfg.data.shuffle),
         pool=pool, switch=MixedModeSwitch(t.experience_start_sratio), policy=policy,
         engine=build_engine(cfg, policy, tokenizer), grader=GraderPool.from_config(cfg.reward),
+        old_logprobs=resolve_old_logprobs_for(cfg),
     )

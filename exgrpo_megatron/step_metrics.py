@@ -23,6 +23,16 @@ def mismatch_error(batch, old_logprobs: list[torch.Tensor]) -> tuple[float, floa
     return total, count
 
 
+def pop_mismatch(per_micro: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+    """(sum, count) of the loss's mismatch metrics (objective.exgrpo_loss_fn with generation log-probs), removed
+    from the micro-batch metrics; (0, 0) when the loss did not measure it."""
+    total, count = 0.0, 0.0
+    for m in per_micro:
+        total += float(m.pop("mismatch_sum", 0.0))
+        count += float(m.pop("mismatch_count", 0.0))
+    return total, count
+
+
 class StepTotals:
     def __init__(self, layout: ParallelLayout):
         self.layout = layout

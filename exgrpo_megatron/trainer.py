@@ -24,18 +24,18 @@ from exgrpo_megatron.distributed.runtime import init_distributed
 from exgrpo_megatron.experience.types import GroupOutcome
 from exgrpo_megatron.logging.startup import startup_block
 from exgrpo_megatron.policy.objective import exgrpo_loss_fn
+from exgrpo_megatron.policy.old_logprobs import old_logprobs, replay_current_logprobs
 from exgrpo_megatron.policy.policy import updates_per_step
 from exgrpo_megatron.policy.scoring import make_scorer
 from exgrpo_megatron.policy.train_batch import (
     build_rollout_batch,
     micro_batches_for_update,
-    token_stats,
 )
 from exgrpo_megatron.reward.rollout_rewards import StreamingGrading, rewards_per_group
 from exgrpo_megatron.rollout.groups import generate_groups
 from exgrpo_megatron.rollout.types import SamplingParams
 from exgrpo_megatron.run_state import RunState
-from exgrpo_megatron.step_metrics import StepTotals, mismatch_error
+from exgrpo_megatron.step_metrics import StepTotals, mismatch_error, pop_mismatch
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -50,7 +50,9 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
     # the PPO clip of the warm-up for the whole run, as the on-policy Dr.GRPO baseline does.
     mixed_phase = c.switch.is_on and c.pool is not None
     replay_on = mixed_phase and state.collected_once
-    scorer = make_scorer(c.policy, cfg.trainer.micro_batch_max_tokens, c.train_data)
+    reuse = c.old_logprobs == "rollout"  # the selection pass keeps the replays' pi_old (at the loss temperature)
+    scorer = make_scorer(c.policy, cfg.trainer.micro_batch_max_tokens, c.train_data,
+                         logprob_temperature=r.temperature if reuse else None)
     # 1. compose the global batch; this rank takes its share
     groups = compose_step(c.train_data, c.sampler, c.pool, replay_on=replay_on, batch_size=t.train_batch_size,
                           experience_ratio=t.experience_ratio, step_seed=step_seed(cfg.seed, step), scorer=scorer)
@@ -77,34 +79,36 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
         c.pool.update(group_outcomes(mine, samples, rewards, step, collect=c.switch.is_on))
         state.collected_once = state.collected_once or c.switch.is_on
     c.switch.observe(solved, step)
-    # 4. old log-probs (recomputed or reused); recorded behaviour log-probs on replayed rows
+    # 4. old log-probs pi_old (algo.old_logprobs: recomputed, or the rollout's exact ones + the selection pass's for
+    #    replays); recorded behaviour log-probs on replayed rows. Mismatch: against the recompute, else measured on
+    #    the first update's forward (same weights) below.
     rows = list(range(len(batch.sequences)))
-    if a.recompute_old_logprobs:
-        old, _ = token_stats(c.policy, batch.sequences, batch.prompt_lengths, temperature=r.temperature,
-                             with_entropy=False, max_tokens=t.micro_batch_max_tokens)
-    else:
-        old = [lp.clone() for lp in batch.gen_logprobs]
+    old, old_forward_rows = old_logprobs(c.policy, batch, replay_current_logprobs(mine, batch), c.old_logprobs,
+                                         temperature=r.temperature, max_tokens=t.micro_batch_max_tokens)
     behaviour = [g if (rep and a.exp_is_correct) else o
                  for g, o, rep in zip(batch.gen_logprobs, old, batch.is_replay, strict=True)]
-    totals.add_mismatch(*mismatch_error(batch, old))
+    if not reuse:
+        totals.add_mismatch(*mismatch_error(batch, old))
+    t_old = time.perf_counter()
     # 5. mini-batch updates (the paper: 2 per step)
     c.policy.train()
     n_updates = updates_per_step(cfg)
     group_chunks = np.array_split(np.arange(len(mine)), n_updates)
-    for chunk in group_chunks:
+    for u, chunk in enumerate(group_chunks):
         chunk_rows = [i for i in rows if batch.group_index[i] in set(chunk.tolist())]
         tokens = float(sum(batch.response_lengths[i] for i in chunk_rows))
         counts = totals.all_reduce_dp(torch.tensor([tokens, float(len(chunk_rows))], dtype=torch.float64))
         pg_norm, ent_norm = loss_normalisers(float(counts[0]), float(counts[1]), a.loss_agg_mode,
                                              cfg.data.max_response_length, a.loss_seqs_per_rank_ref)
         mbs = micro_batches_for_update(batch, chunk_rows, old, behaviour, t.micro_batch_max_tokens,
-                                       packed=t.sequence_packing)
+                                       packed=t.sequence_packing, with_generation_logprobs=reuse and u == 0)
         loss_fn = exgrpo_loss_fn(mixed_phase=mixed_phase, temperature=r.temperature, clip_ratio=a.clip_ratio,
                                  shaping_beta=a.shaping_beta, policy_shaping=a.policy_shaping,
                                  entropy_coeff=a.entropy_coeff,
                                  pg_normaliser=pg_norm, entropy_normaliser=ent_norm, vocab_size=cfg.model.vocab_size)
         c.policy.zero_grad()
         metrics = c.policy.forward_backward(mbs, loss_fn) if mbs else []
+        totals.add_mismatch(*pop_mismatch(metrics))
         totals.add_loss_metrics(metrics, metric_reduce_op)
         update = c.policy.optimizer_step(a.skip_grad_bound)
         totals.add_update(update)
@@ -116,7 +120,8 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
         "experience/n_replayed": float(sum(g.replay is not None for g in groups)),
         "time/generate": t_gen - t0, "time/reward": t_rew - t_gen, "time/train": t_train - t_rew,
         "time/step": t_train - t0, "reward/grader_timeouts": float(graded.n_timeouts_killed),
-        "time/refit": t_refit,
+        "time/old_logprobs": t_old - t_rew, "time/refit": t_refit,
+        "old_logprobs/forward_rows": float(totals.all_reduce_dp(torch.tensor([float(old_forward_rows)]))[0]),
         "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
     })
     out["throughput/tokens_per_s"] = out.pop("tokens/total", 0.0) / max(out["time/step"], 1e-9)

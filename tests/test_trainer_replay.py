@@ -341,3 +341,129 @@ def test_on_policy_grpo_keeps_the_warmup_clip(tmp_path, sft_dir):
     assert all(r["experience/n_replayed"] == 0 for r in rows)
     assert 0 < max(r["reward/mean"] for r in rows) < 1  # some groups have non-zero advantages ...
     assert max(r["loss/clip_fraction"] for r in rows) > 0  # ... and the clip acts (mixed mode reports 0)
+
+
+# ------------------------------------------------------------------------------------------- pi_old from the rollout
+def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
+    """run_training with algo.old_logprobs=auto (rollout log-probs for fresh rows, the selection pass's for replayed
+    rows). Each step the spy also computes what the switched-off trainer uses -- pi_old recomputed by a forward pass
+    of every row, before any update -- and runs every update both ways on the trainer's own micro-batches: first
+    with the recomputed pi_old (switched off), then the real one (switched on, whose gradients the optimizer uses)."""
+    import exgrpo_megatron.trainer as trainer
+    from exgrpo_megatron.distributed.threads import available_cores
+
+    cfg = load_config("demo_cpu", overrides)
+    rec: dict = {"steps": [], "updates": [], "threads_train": set(), "threads_generate": set(),
+                 "cores": available_cores()}
+    now: dict = {}
+
+    def grads(policy) -> list[torch.Tensor]:
+        return [p.main_grad.detach().clone() for ch in policy.chunks for p in ch.parameters() if p.requires_grad]
+
+    def counting(loss_fn):
+        def fn(logits, mb):
+            rec["threads_train"].add(torch.get_num_threads())
+            return loss_fn(logits, mb)
+        return fn
+
+    def old_logprobs(original):
+        def wrapper(policy, batch, replay_current, source, **kw):
+            result = original(policy, batch, replay_current, source, **kw)
+            out = result[0]
+            now["recomputed"], _ = original(policy, batch, replay_current, "recompute", **kw)
+
+            def diff(rows):
+                return max((float((out[i] - now["recomputed"][i]).abs().max()) for i in rows), default=0.0)
+            replay = [i for i, r in enumerate(batch.is_replay) if r]
+            fresh = [i for i, r in enumerate(batch.is_replay) if not r]
+            rec["steps"].append({
+                "source": source, "replay_rows": len(replay), "replay_old_vs_recompute": diff(replay),
+                "fresh_old_vs_recompute": diff(fresh),
+                "replay_old_vs_behaviour": max((float((out[i] - batch.gen_logprobs[i]).abs().max()) for i in replay),
+                                               default=0.0)})
+            return result
+        return wrapper
+
+    def micro_batches(original):
+        def wrapper(batch, rows, old, behaviour, max_tokens, **kw):
+            re = now["recomputed"]
+            re_behaviour = [b if rep else o for b, o, rep in zip(behaviour, re, batch.is_replay, strict=True)]
+            now["off"] = original(batch, rows, re, re_behaviour, max_tokens)
+            now["replay_rows"] = sum(batch.is_replay[i] for i in rows)
+            return original(batch, rows, old, behaviour, max_tokens, **kw)
+        return wrapper
+
+    def spy_forward_backward(policy):
+        fb = policy.forward_backward
+
+        def forward_backward(mbs, loss_fn, forward_only=False):
+            if forward_only:
+                return fb(mbs, counting(loss_fn), forward_only=True)
+            policy.zero_grad()
+            m_off = fb(now["off"], loss_fn)
+            g_off = grads(policy)
+            policy.zero_grad()
+            m_on = fb(mbs, counting(loss_fn))
+            g_on = grads(policy)
+            rec["updates"].append({
+                "replay_rows": now["replay_rows"],
+                "pg_on": sum(float(m["pg_loss"]) for m in m_on), "pg_off": sum(float(m["pg_loss"]) for m in m_off),
+                "grad_scale": max(float(g.abs().max()) for g in g_off),
+                "grad_diff": max(float((a - b).abs().max()) for a, b in zip(g_on, g_off, strict=True)),
+            })
+            return m_on
+
+        return forward_backward
+
+    def train_step(original):
+        def wrapper(c, state, step):
+            if "spied" not in now:
+                now["spied"] = True
+                c.policy.forward_backward = spy_forward_backward(c.policy)
+                rec["resolved"] = c.old_logprobs
+            return original(c, state, step)
+        return wrapper
+
+    def generate(original):
+        def wrapper(*args, **kwargs):
+            rec["threads_generate"].add(torch.get_num_threads())
+            return original(*args, **kwargs)
+        return wrapper
+
+    with (_spy(trainer, "train_step", train_step), _spy(trainer, "generate_groups", generate),
+          _spy(trainer, "old_logprobs", old_logprobs), _spy(trainer, "micro_batches_for_update", micro_batches)):
+        assert trainer.run_training(cfg) == 0
+    rec["threads_after"] = torch.get_num_threads()
+    rec["metrics"] = _metrics(cfg.logging.run_dir)
+    return rec
+
+
+def test_old_logprobs_from_the_rollout_give_the_recompute_loss_and_gradients(tmp_path, sft_dir):
+    """algo.old_logprobs=auto on the megatron engine takes pi_old from the rollout (fresh rows) and from the selection
+    pass (replayed rows): at a temperature that is not the selection's 1, every update (replay rows included) has the
+    loss and gradients of the recompute, replayed rows' pi_old equal a fresh forward pass and not the stale behaviour
+    log-probs, most replayed rows need no forward pass, the mismatch metric is measured (first update) and ~1, and
+    the policy's passes ran on trainer.train_threads (auto: this machine's cores), generation on the one thread."""
+    got = run_on_ranks(_train_comparing_old_logprobs, 1, args=(_replay_overrides(
+        str(tmp_path / "oldlp"), sft_dir, ("rollout.temperature=0.8", "algo.old_logprobs=auto")),))[0]
+    assert got["resolved"] == "rollout"
+    assert len(got["steps"]) == STEPS and all(s["source"] == "rollout" for s in got["steps"])
+    for s in got["steps"]:
+        assert s["fresh_old_vs_recompute"] < 2e-5, s  # the engine's log-probs are pi_old
+        assert s["replay_old_vs_recompute"] < 2e-5, s  # the selection pass's too, at the loss temperature
+    replay_steps = [s for s in got["steps"] if s["replay_rows"] > 0]
+    assert len(replay_steps) >= 2, got["steps"]
+    assert max(s["replay_old_vs_behaviour"] for s in replay_steps) > 1e-3  # stale pi_behaviour would not do
+    assert sum(u["replay_rows"] for u in got["updates"]) > 0
+    for u in got["updates"]:
+        assert u["pg_on"] == pytest.approx(u["pg_off"], rel=1e-4, abs=1e-7), u
+        assert u["grad_diff"] <= 1e-4 * u["grad_scale"] + 1e-9, u
+    logged = got["metrics"]
+    replayed = sum(m["experience/n_replayed"] for m in logged)
+    forward_rows = sum(m["old_logprobs/forward_rows"] for m in logged)
+    assert replayed > 0 and forward_rows < replayed, (replayed, forward_rows)  # scored replays were reused
+    for m in logged:
+        assert m["mismatch/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-4)
+        assert m["mismatch/token_mult_prob_error"] >= 1.0  # measured: 0 would mean no token was counted
+    assert got["threads_train"] == {got["cores"]}
+    assert got["threads_generate"] == {1} and got["threads_after"] == 1

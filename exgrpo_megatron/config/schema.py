@@ -91,7 +91,7 @@ class AlgoConfig:
     entropy_coeff: float = 0.001
     loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean
     exp_is_correct: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs
-    recompute_old_logprobs: bool = True
+    old_logprobs: str = "auto"  # auto | recompute | rollout (pi_old source, policy/old_logprobs.py)
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20
     loss_seqs_per_rank_ref: float = 64.0  # token_sum_constant: the original's sequences per rank (64x8 seqs / 8 GPUs)
@@ -106,6 +106,7 @@ class TrainerConfig:
     micro_batch_max_tokens: int = 32768  # token budget of one micro-batch on one rank
     sequence_packing: bool = True  # pack rows into one [1, tokens] sequence (THD) instead of right-padding
     fused_output_logprobs: bool = True  # output layer fused into the chunked log-prob/entropy (no [T, V] logits)
+    train_threads: int = 0  # policy forward/backward threads; 0 = cores // ranks on the node (distributed/threads.py)
     experience: bool = True  # false = on-policy GRPO
     experience_ratio: float = 0.5  # rho
     experience_start_sratio: float = 0.35  # delayed start; <= 0 means from step 1

@@ -90,6 +90,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     e.extend(vllm_config_errors(cfg))
 
     _choice(e, "algo.loss_agg_mode", a.loss_agg_mode, ("token_sum_constant", "token_mean"))
+    e.extend(_old_logprobs_errors(cfg))
     if a.clip_ratio <= 0:
         e.append(f"algo.clip_ratio: must be > 0, got {a.clip_ratio}")
     _positive(e, "algo.shaping_beta", a.shaping_beta)
@@ -101,6 +102,8 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     _positive(e, "trainer.total_steps", t.total_steps)
     _positive(e, "trainer.train_batch_size", t.train_batch_size)
     _positive(e, "trainer.ppo_mini_batch_size", t.ppo_mini_batch_size)
+    if t.train_threads < 0:
+        e.append(f"trainer.train_threads: must be >= 0 (0 = auto), got {t.train_threads}")
     if t.ppo_mini_batch_size > 0 and t.train_batch_size % t.ppo_mini_batch_size:
         e.append(f"trainer.ppo_mini_batch_size: train_batch_size={t.train_batch_size} is not divisible by "
                  f"{t.ppo_mini_batch_size}")
@@ -151,6 +154,19 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     _positive(e, "checkpoint.save_every", cfg.checkpoint.save_every)
     _positive(e, "checkpoint.keep_last", cfg.checkpoint.keep_last)
     return e
+
+
+def _old_logprobs_errors(cfg: RootConfig) -> list[str]:
+    from exgrpo_megatron.policy.old_logprobs import resolve_old_logprobs_for
+    from exgrpo_megatron.rollout.factory import VLLM_DTYPES
+
+    if cfg.rollout.vllm.dtype not in ("auto", *VLLM_DTYPES):
+        return []  # vllm_config_errors names rollout.vllm.dtype
+    try:
+        resolve_old_logprobs_for(cfg)
+    except ValueError as err:
+        return [str(err)]
+    return []
 
 
 def vllm_config_errors(cfg: RootConfig) -> list[str]:

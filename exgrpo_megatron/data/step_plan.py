@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from exgrpo_megatron.data.datasets import PromptDataset
 from exgrpo_megatron.data.sampler import PromptSampler
 from exgrpo_megatron.experience.selection import Scorer
@@ -25,6 +27,7 @@ class QuestionGroup:
     answer: str
     replay: Trajectory | None = None  # the stored trajectory spliced in as the K-th sample
     bucket: int | None = None
+    replay_current_logprobs: np.ndarray | None = None  # its log-probs under the current policy (selection pass)
 
 
 def num_experience_questions(batch_size: int, experience_ratio: float, pool_questions: int) -> int:
@@ -49,8 +52,8 @@ def compose_step(
     skip = pool.retired_ids() if pool is not None else frozenset()
     fresh = sampler.draw(batch_size - len(replays), skip=skip)
     groups = [QuestionGroup(q, dataset[q].prompt_ids, dataset[q].answer) for q in fresh]
-    groups += [QuestionGroup(c.qid, dataset[c.qid].prompt_ids, dataset[c.qid].answer, c.trajectory, c.bucket)
-               for c in replays]
+    groups += [QuestionGroup(c.qid, dataset[c.qid].prompt_ids, dataset[c.qid].answer, c.trajectory, c.bucket,
+                             c.current_logprobs) for c in replays]
     return groups
 
 

@@ -106,15 +106,16 @@ def route_groups(groups: list[GroupOutcome], dp_group, dp_rank: int, dp_size: in
     return routed
 
 
-def all_gather_choices(local: list[tuple[int, int, Trajectory]], dp_group, dp_size: int
-                       ) -> list[tuple[int, int, Trajectory]]:
-    """Concatenate every rank's (qid, bucket, trajectory) choices on every rank (all_gather_object)."""
+def all_gather_choices(local: list[tuple[int, int, Trajectory, np.ndarray | None]], dp_group, dp_size: int
+                       ) -> list[tuple[int, int, Trajectory, np.ndarray | None]]:
+    """Concatenate every rank's (qid, bucket, trajectory, current log-probs) choices on every rank
+    (all_gather_object)."""
     if dp_size == 1:
         return list(local)
-    packed = [(q, k, t.token_ids, t.logprobs, t.step) for q, k, t in local]
+    packed = [(q, k, t.token_ids, t.logprobs, t.step, cur) for q, k, t, cur in local]
     gathered: list[list | None] = [None] * dp_size
     dist.all_gather_object(gathered, packed, group=dp_group)
-    return [(q, k, Trajectory(ids, lps, step)) for part in gathered for q, k, ids, lps, step in part]
+    return [(q, k, Trajectory(ids, lps, step), cur) for part in gathered for q, k, ids, lps, step, cur in part]
 
 
 def all_gather_int64(values: np.ndarray, dp_group, dp_size: int) -> np.ndarray:

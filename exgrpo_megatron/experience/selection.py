@@ -89,9 +89,12 @@ def select_trajectory_index(scores: CandidateScores | None, metric: str, num_can
 
 
 def choose_trajectories(qids: Sequence[int], candidates: Sequence[list[Trajectory]], metric: str,
-                        scorer: Scorer | None, rng: np.random.Generator, mode: str = "argmin") -> list[Trajectory]:
-    """One trajectory per question. Only questions with >= 2 candidates are sent to the scorer (one
-    call for all of them); with metric 'random' the scorer is not called."""
+                        scorer: Scorer | None, rng: np.random.Generator, mode: str = "argmin"
+                        ) -> list[tuple[Trajectory, np.ndarray | None]]:
+    """One (trajectory, current log-probs or None) per question. Only questions with >= 2 candidates are sent to
+    the scorer (one call for all of them); with metric 'random' the scorer is not called. The log-probs are the
+    scorer's `token_logprobs` of the chosen candidate (None when it was not scored or returned none).
+    `mode`: argmin (lowest metric, the paper's rule) or argmax (the highest-entropy ablation)."""
     if metric not in SELECTION_METRICS:
         raise ValueError(f"unknown selection metric {metric!r}; expected one of {SELECTION_METRICS}")
     scored: dict[int, CandidateScores] = {}
@@ -104,4 +107,9 @@ def choose_trajectories(qids: Sequence[int], candidates: Sequence[list[Trajector
             if len(results) != len(multi):
                 raise ValueError(f"scorer returned {len(results)} results for {len(multi)} questions")
             scored = dict(zip(multi, results, strict=True))
-    return [c[select_trajectory_index(scored.get(i), metric, len(c), rng, mode)] for i, c in enumerate(candidates)]
+    out = []
+    for i, c in enumerate(candidates):
+        j = select_trajectory_index(scored.get(i), metric, len(c), rng, mode)
+        lps = scored[i].token_logprobs if i in scored else None
+        out.append((c[j], None if lps is None else lps[j]))
+    return out

@@ -11,7 +11,8 @@ Global semantics of `sample(n, seed)` (algorithm reference §1.3, with the pool 
      shard sizes (same shared rng), which is the rank histogram of a uniform draw without replacement
      from the global bucket; each rank then draws its share uniformly without replacement from its
      shard (a rank-specific rng), so the union is uniform without replacement over the global bucket;
-  4. each rank picks a trajectory per drawn question with its scorer (a forward on its own replica);
+  4. each rank picks a trajectory per drawn question with its scorer (a forward on its own replica), keeping
+     the scorer's current-policy log-probs of the chosen one (they travel with the choice);
   5. the choices are all-gathered and sorted by qid: every rank returns the same list.
 
 TP/PP ranks of one replica: megatron's DP group connects the ranks with the same (tp, pp)
@@ -102,9 +103,9 @@ class ShardedExperiencePool:
             qids = [q for q, _ in drawn]
             chosen = choose_trajectories(qids, [self.shard.candidates(q) for q in qids], self.metric, scorer,
                                          local_rng, self.select_mode)
-            local = [(q, k, t) for (q, k), t in zip(drawn, chosen, strict=True)]
+            local = [(q, k, t, lp) for (q, k), (t, lp) in zip(drawn, chosen, strict=True)]
         everything = all_gather_choices(local, self.dp_group, self.dp_size) if n_exp > 0 else []
-        return [ReplayChoice(q, t, k) for q, k, t in sorted(everything, key=lambda c: c[0])]
+        return [ReplayChoice(q, t, k, lp) for q, k, t, lp in sorted(everything, key=lambda c: c[0])]
 
     # ---------------------------------------------------------------- queries
     def retired_ids(self) -> frozenset[int]:

@@ -81,11 +81,18 @@ class GroupOutcome:
 
 @dataclass(frozen=True, slots=True)
 class ReplayChoice:
-    """One replayed question of a step: the chosen stored trajectory and the bucket it was drawn from."""
+    """One replayed question of a step: the chosen stored trajectory and the bucket it was drawn from.
+
+    current_logprobs: np.float32 [L], the selection pass's log-probs of the trajectory's tokens under the CURRENT
+    policy at the scorer's `logprob_temperature` (the trainer's pi_old for the replayed row, see
+    policy/old_logprobs.py); None when the trajectory was not scored (single candidate, metric random) or the
+    scorer was not asked for them.
+    """
 
     qid: int
     trajectory: Trajectory
     bucket: int
+    current_logprobs: np.ndarray | None = None  # log pi_theta of its tokens now, when the scorer computed them
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +103,12 @@ class CandidateScores:
       (EOS included) under the CURRENT policy at temperature 1 -- required for metric "ent".
     mean_nll[j] = -(1/|o_j|) sum_t log pi_theta(o_j,t | prefix_t) under the current policy -- required
       for metric "ppl" (perplexity = exp(mean_nll)).
+    token_logprobs[j] = np.float32 [|o_j|], log pi_theta(o_j,t | prefix_t) under the current policy at the
+      scorer's logprob temperature (the rollout temperature), kept so the chosen trajectory's pi_old needs no
+      second forward pass; None when the scorer was not asked for them.
     A field the metric does not need may be None.
     """
 
     mean_entropy: np.ndarray | None = None
     mean_nll: np.ndarray | None = None
+    token_logprobs: list[np.ndarray] | None = None

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.distributed.threads import torch_threads, train_threads_from_env
 from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
 from exgrpo_megatron.model.layout_init import initialise
 from exgrpo_megatron.policy.batch import MicroBatch, forward_inputs
@@ -93,6 +94,7 @@ class Policy:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = ps.is_pipeline_last_stage()
+        self.train_threads = train_threads_from_env(cfg.trainer.train_threads, dist.get_world_size())
 
     # ---------------------------------------------------------------- weights
     def mark_weights_changed(self) -> None:
@@ -146,15 +148,16 @@ class Policy:
         collect: list[dict[str, torch.Tensor]] = []
         n = len(micro_batches)
         iterators = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
-        get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn, collect),
-            data_iterator=iterators,
-            model=self.chunks,
-            num_microbatches=n,
-            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
-            micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
-            forward_only=forward_only,
-        )
+        with torch_threads(self.train_threads):  # this rank's cores (the grader pool is idle; distributed/threads.py)
+            get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_fn, collect),
+                data_iterator=iterators,
+                model=self.chunks,
+                num_microbatches=n,
+                seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
+                micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
+                forward_only=forward_only,
+            )
         return self._broadcast_from_last_stage(collect, n)
 
     def _broadcast_from_last_stage(self, collect: list[dict[str, torch.Tensor]], n: int):

@@ -3,6 +3,10 @@
 mean_entropy[j] = (1/|o_j|) sum_t H(pi_theta(.|q, o_j,<t)) over the response tokens of candidate j,
 EOS included, at temperature 1 (paper section 4.1 / Alg. 1 l.11, "lowest-entropy trajectory");
 mean_nll[j] = -(1/|o_j|) sum_t log pi_theta(o_j,t | q, o_j,<t) (the `ppl` option).
+With `logprob_temperature` (the rollout temperature, which the loss uses), the same logits also give every
+candidate's token log-probs at that temperature (`token_logprobs`): the chosen one's are its pi_old in this
+step's loss, so a replayed row needs no second forward pass (policy/old_logprobs.py). The scorer runs before
+any update of the step, so these are the weights pi_old is defined on.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ from exgrpo_megatron.experience.types import CandidateScores, Trajectory
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.policy.train_batch import token_stats
 
+SELECTION_TEMPERATURE = 1.0  # the selection metrics are defined at T = 1 (the original's compute_log_prob_ents)
 
-def make_scorer(policy: Policy, max_tokens: int, dataset: PromptDataset) -> Scorer:
+
+def make_scorer(policy: Policy, max_tokens: int, dataset: PromptDataset,
+                logprob_temperature: float | None = None) -> Scorer:
     def scorer(qids: list[int], candidates: list[list[Trajectory]]) -> list[CandidateScores]:
         seqs, plens, owner = [], [], []
         for i, (q, cands) in enumerate(zip(qids, candidates, strict=True)):
@@ -26,12 +33,19 @@ def make_scorer(policy: Policy, max_tokens: int, dataset: PromptDataset) -> Scor
                 plens.append(len(prompt))
                 owner.append(i)
         policy.eval()
-        logp, ent = token_stats(policy, seqs, plens, temperature=1.0, with_entropy=True, max_tokens=max_tokens)
-        out_ent = [[] for _ in qids]
-        out_nll = [[] for _ in qids]
-        for i, lp, h in zip(owner, logp, ent, strict=True):
+        stats = token_stats(policy, seqs, plens, temperature=SELECTION_TEMPERATURE, with_entropy=True,
+                            max_tokens=max_tokens, logprob_temperature=logprob_temperature)
+        out_ent: list[list[float]] = [[] for _ in qids]
+        out_nll: list[list[float]] = [[] for _ in qids]
+        out_lp: list[list[np.ndarray]] = [[] for _ in qids]
+        kept = stats.logprobs_at if stats.logprobs_at is not None else [None] * len(seqs)
+        for i, lp, h, at in zip(owner, stats.logprobs, stats.entropy, kept, strict=True):
             out_ent[i].append(float(h.double().mean()))
             out_nll[i].append(float(-lp.double().mean()))
-        return [CandidateScores(np.array(e), np.array(n)) for e, n in zip(out_ent, out_nll, strict=True)]
+            if at is not None:
+                out_lp[i].append(at.float().numpy())
+        keep = logprob_temperature is not None
+        return [CandidateScores(np.array(e), np.array(n), lp if keep else None)
+                for e, n, lp in zip(out_ent, out_nll, out_lp, strict=True)]
 
     return scorer

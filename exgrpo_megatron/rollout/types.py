@@ -18,7 +18,6 @@ from typing import Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["eos", "stop", "length", "replay"]
 
-
 @dataclass(frozen=True)
 class SamplingParams:
     """What to sample. `seed` is the call-level seed; per-request seeds refine it (see RolloutEngine)."""

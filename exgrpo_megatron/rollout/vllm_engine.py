@@ -31,10 +31,11 @@ version it last refitted, so a new load path cannot skip the refit.
 Log-probs: requested as `logprobs=0` (the sampled token's) with `logprobs_mode="processed_logprobs"`
 (after temperature). With top_p=1 and top_k disabled (the ExGRPO defaults) that is
 log_softmax(logits / T), the contract in rollout/types.py; with top-p/top-k, vLLM versions differ
-on whether the value is renormalised over the kept set, so the trainer's recomputed old log-probs
-(algo.recompute_old_logprobs=true) should be used. Seeds: vLLM's per-request `seed` (one generator
-per request covering its n samples), so results depend on the seed, not on batch composition,
-but they are not equal to the megatron engine's samples.
+on whether the value is renormalised over the kept set. In a dtype other than the policy's (bf16 vLLM
+against an fp32 policy) they are not the policy's either, so algo.old_logprobs=auto recomputes pi_old there
+(policy/old_logprobs.py; `rollout.vllm.dtype: auto` follows the policy's dtype).
+Seeds: vLLM's per-request `seed` (one generator per request covering its n samples), so results
+depend on the seed, not on batch composition, but they are not equal to the megatron engine's samples.
 """
 
 from __future__ import annotations

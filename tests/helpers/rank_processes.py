@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """The torch.distributed launch variables of one rank on this host, one intra-op thread."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+            "LOCAL_WORLD_SIZE": str(world)}
 
 
 def start_rank_process(python_args: list[str], log_path: Path, rank: int, world: int, port: int) -> subprocess.Popen:

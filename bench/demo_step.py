@@ -1,0 +1,221 @@
+"""One RL step of the CPU demo, today's path vs the default, per phase (issue 17).
+
+Arms at the demo shape (``conf/demo_cpu.yaml``: B=64 prompts x K=8, 2 updates per step), same seed, run in
+fresh processes and interleaved (round r runs the arms in order, round r+1 in reverse) so load on
+the shared machine hits both alike:
+* ``default``: the config as it is (every switch at its configured default);
+* ``default_1_thread``: the default with ``trainer.train_threads=1`` (diagnostic: the threads' share alone);
+* ``today``: every switch of `SWITCHES` at its old value: old log-probs recomputed by a second forward pass,
+  1 thread, no sequence packing, no fused output layer, megatron's unfused core attention.
+A switch whose key the config does not have (its branch not merged yet) is left out and listed under
+"absent_switches"; adding a switch is one line of `SWITCHES`. Both arms replay from step 2
+(``trainer.experience_start_sratio=0``) so the selection pass and replayed rows are in every measured step.
+
+Per step (from the trainer's metrics.jsonl): time/generate (incl. batch composition and the selection pass),
+time/reward (grading not overlapped with generation), time/old_logprobs, time/refit, the updates
+(time/train - old log-probs - refit) and the train phase (time/train = old log-probs + updates + refit);
+counted by a wrapper around Policy.forward_backward: sequences through the policy per rollout sample
+("forward passes per sample": selection + old log-probs + updates, a fwd+bwd counts once) and real vs padded
+tokens (a row's real tokens = last response target + 2, so packed rows count as real). Step 1 (no replay yet,
+allocator warm-up) is left out of the means. Reward and the mismatch metric are reported to check that both arms
+learn the same (same seed: rewards within noise, mismatch ~ 1).
+
+Run: ``.venv/bin/python bench/demo_step.py [--steps 6] [--rounds 2]`` -> bench/results/demo_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+RESULTS_JSON = os.path.join(HERE, "results", "demo_step.json")
+
+# (config key, today's value): the default arm keeps the configured default of each key.
+SWITCHES: list[tuple[str, object]] = [
+    ("algo.old_logprobs", "recompute"),
+    ("trainer.train_threads", 1),
+    ("trainer.sequence_packing", False),
+    ("trainer.fused_output_logprobs", False),
+    ("model.core_attention", "megatron"),
+]
+COMMON = ["trainer.experience_start_sratio=0", "trainer.val_every=0", "checkpoint.save_every=100000",
+          "logging.progress_bar=false", "logging.tensorboard=false"]
+PHASES = ("generate", "reward", "old_logprobs", "updates", "refit", "train_phase", "step")
+
+
+def _fmt(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def present_switches() -> tuple[list[tuple[str, object]], list[str]]:
+    from omegaconf import OmegaConf
+
+    from exgrpo_megatron.config.loader import compose
+
+    cfg = compose("demo_cpu", [])
+    present, absent = [], []
+    for key, today in SWITCHES:
+        (present if OmegaConf.select(cfg, key, default="__absent__") != "__absent__" else absent).append((key, today))
+    return present, [k for k, _ in absent]
+
+
+# ------------------------------------------------------------------------------------------------ worker
+def _count_passes(counts: dict) -> None:
+    import torch
+
+    from exgrpo_megatron.policy.policy import Policy
+
+    original = Policy.forward_backward
+
+    def forward_backward(self, micro_batches, loss_fn, forward_only=False):
+        kind = "forward_only" if forward_only else "train"
+        for mb in micro_batches:
+            mask = mb.loss_mask.bool()
+            idx = torch.arange(mask.shape[1]).expand_as(mask)
+            real = (torch.where(mask, idx, torch.full_like(idx, -2)).max(dim=1).values + 2).clamp(min=0)
+            c = counts.setdefault(kind, {"sequences": 0, "real_tokens": 0, "padded_tokens": 0})
+            c["sequences"] += len(mb.rows)
+            c["real_tokens"] += int(real.sum())
+            c["padded_tokens"] += int(mb.tokens.numel())
+        return original(self, micro_batches, loss_fn, forward_only=forward_only)
+
+    Policy.forward_backward = forward_backward
+
+
+def worker(overrides: list[str], out_path: str) -> None:
+    import exgrpo_megatron.trainer as trainer
+    from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.logging import read_metrics
+
+    cfg = load_config("demo_cpu", overrides)
+    counts: dict = {}
+    per_step: list[dict] = []
+    _count_passes(counts)
+    original = trainer.train_step
+
+    def train_step(c, state, step):
+        counts.clear()
+        out = original(c, state, step)
+        per_step.append({k: dict(v) for k, v in counts.items()})
+        return out
+
+    trainer.train_step = train_step
+    assert trainer.run_training(cfg) == 0
+    metrics = read_metrics(os.path.join(cfg.logging.run_dir, "metrics.jsonl"))
+    samples = cfg.trainer.train_batch_size * cfg.rollout.n
+    with open(out_path, "w") as f:
+        json.dump({"metrics": metrics, "passes": per_step, "samples_per_step": samples}, f)
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def step_record(m: dict, passes: dict, samples: int) -> dict:
+    old, refit, train = m["time/old_logprobs"], m["time/refit"], m["time/train"]
+    seqs = sum(p["sequences"] for p in passes.values())
+    upd = passes.get("train", {"real_tokens": 0, "padded_tokens": 0})
+    allp = {k: sum(p[k] for p in passes.values()) for k in ("real_tokens", "padded_tokens")}
+    return {
+        "step": m["step"], "generate": m["time/generate"], "reward": m["time/reward"], "old_logprobs": old,
+        "updates": train - old - refit, "refit": refit, "train_phase": train, "step_time": m["time/step"],
+        "forward_passes_per_sample": seqs / samples,
+        "update_real_tokens": upd["real_tokens"], "update_padded_tokens": upd["padded_tokens"],
+        "all_real_tokens": allp["real_tokens"], "all_padded_tokens": allp["padded_tokens"],
+        "reward_mean": m["reward/mean"], "mismatch": m["mismatch/token_mult_prob_error"],
+        "n_replayed": m["experience/n_replayed"], "old_logprob_forward_rows": m.get("old_logprobs/forward_rows"),
+    }
+
+
+def summarise(records: list[dict]) -> dict:
+    measured = [r for r in records if r["step"] > 1]
+
+    def mean(k: str) -> float:
+        return statistics.fmean(r[k] for r in measured)
+    out = {p: mean("step_time" if p == "step" else p) for p in PHASES}
+    out.update({k: mean(k) for k in ("forward_passes_per_sample", "reward_mean", "mismatch", "n_replayed")})
+    for prefix in ("update", "all"):
+        real, padded = mean(f"{prefix}_real_tokens"), mean(f"{prefix}_padded_tokens")
+        out[f"{prefix}_real_tokens"], out[f"{prefix}_padded_tokens"] = real, padded
+        out[f"{prefix}_padding_share"] = 1 - real / padded if padded else 0.0
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--root", default=os.path.join(REPO, "runs", "bench_demo_step"))
+    ap.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sys.path.insert(0, REPO)  # this tree's package, not the shared editable install
+    if args.worker is not None:
+        worker(args.worker, args.out)
+        return
+    present, absent = present_switches()
+    arms = {"today": [f"{k}={_fmt(v)}" for k, v in present], "default": [],
+            "default_1_thread": ["trainer.train_threads=1"]}  # diagnostic: every switch but the threads
+    records: dict[str, list[list[dict]]] = {a: [] for a in arms}
+    load_start = os.getloadavg()
+    walls: dict[str, list[float]] = {a: [] for a in arms}
+    env = os.environ | {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                        "TOKENIZERS_PARALLELISM": "false"}  # what `make demo` runs with
+    for r in range(args.rounds):
+        for arm in (list(arms) if r % 2 == 0 else list(arms)[::-1]):  # interleaved: alternate the order
+            run_dir = os.path.join(args.root, f"{arm}_r{r}")
+            out = os.path.join(run_dir, "bench.json")
+            os.makedirs(run_dir, exist_ok=True)
+            for name in ("metrics.jsonl",):
+                if os.path.exists(os.path.join(run_dir, name)):
+                    os.remove(os.path.join(run_dir, name))
+            overrides = [f"logging.run_dir={run_dir}", f"trainer.total_steps={args.steps}", "checkpoint.resume=none",
+                         *COMMON, *arms[arm]]
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--out", out, "--worker", *overrides],
+                           cwd=REPO, env=env | {"MASTER_PORT": str(_free_port())}, check=True)
+            walls[arm].append(time.perf_counter() - t0)
+            with open(out) as f:
+                got = json.load(f)
+            records[arm].append([step_record(m, p, got["samples_per_step"])
+                                 for m, p in zip(got["metrics"], got["passes"], strict=True)])
+            print(f"round {r} {arm}: {summarise(records[arm][-1])['step']:.2f} s/step", flush=True)
+    summary = {a: summarise([s for run in runs for s in run]) for a, runs in records.items()}
+    speedup = {p: summary["today"][p] / summary["default"][p] for p in PHASES if summary["default"][p] > 0}
+    speedup_1t = {p: summary["today"][p] / summary["default_1_thread"][p] for p in PHASES
+                  if summary["default_1_thread"][p] > 0}
+    print(f"{'phase (s, mean of steps 2..N)':32s} {'today':>8s} {'default':>8s} {'1 thread':>8s} "
+          f"{'today/default':>14s} {'today/1 thread':>15s}")
+    for p in PHASES:
+        print(f"{p:32s} {summary['today'][p]:8.3f} {summary['default'][p]:8.3f} {summary['default_1_thread'][p]:8.3f} "
+              f"{speedup.get(p, float('nan')):14.2f} {speedup_1t.get(p, float('nan')):15.2f}")
+    for k in ("forward_passes_per_sample", "update_padding_share", "all_padding_share", "reward_mean", "mismatch"):
+        print(f"{k:32s} {summary['today'][k]:8.3f} {summary['default'][k]:8.3f} {summary['default_1_thread'][k]:8.3f}")
+    result = {
+        "command": "python bench/demo_step.py " + " ".join(sys.argv[1:]),
+        "config": "demo_cpu", "common_overrides": COMMON, "steps": args.steps, "rounds": args.rounds,
+        "switches_today": dict(present), "absent_switches": absent,
+        "cores": len(os.sched_getaffinity(0)), "load_average_end": os.getloadavg(),
+        "speedup_today_over_default": speedup, "speedup_today_over_default_1_thread": speedup_1t,
+        "load_average_start": load_start, "summary": summary, "wall_s_per_run": walls, "per_step": records,
+        "targets": {"train_phase": 3.0, "step": 2.0},
+    }
+    os.makedirs(os.path.dirname(RESULTS_JSON), exist_ok=True)
+    with open(RESULTS_JSON, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {RESULTS_JSON}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""pi_old of every row of a step: the log-probs of its response tokens under the weights the step starts from.
+
+Fresh rows were sampled by the rollout engine from exactly these weights, and the engine returns the sampled
+tokens' log-probs (rollout/types.py contract: log_softmax(logits / T)). Where the engine computes them as the
+policy does, those ARE pi_old and a second forward pass buys nothing:
+  - the megatron engine (the policy's own modules and dtype; 1.5e-7 from a recompute in fp32, issue 17);
+  - vLLM in fp32 with top_p = 1 and top-k off (with top-p/top-k vLLM versions differ on renormalisation).
+vLLM in bf16 is not exact: there the trainer recomputes (algo.old_logprobs=auto picks it).
+
+Replayed rows were sampled long ago (their recorded log-probs are pi_behaviour, the replay ratio's denominator,
+algorithm reference §3), so their pi_old still needs the current weights. The trajectory-selection pass
+(policy/scoring.py) already ran every candidate through the current policy before any update of this step; it
+keeps the log-probs at the rollout (= loss) temperature and the chosen trajectory's travel with the replay choice.
+Only replayed rows the selection did not score (a single stored candidate, metric random) are run forward here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.policy.policy import Policy
+from exgrpo_megatron.policy.train_batch import RolloutBatch, token_stats
+
+OLD_LOGPROB_MODES = ("auto", "recompute", "rollout")
+
+
+def rollout_logprobs_exact(engine: str, engine_dtype: str, top_p: float, top_k: int) -> bool:
+    """Are the engine's generation log-probs the policy's own (same weights, same dtype, same distribution)?"""
+    if engine == "megatron":
+        return True
+    return engine == "vllm" and engine_dtype == "float32" and top_p == 1.0 and top_k <= 0
+
+
+def resolve_old_logprobs(mode: str, engine: str, engine_dtype: str, top_p: float, top_k: int) -> str:
+    """algo.old_logprobs -> 'recompute' | 'rollout'; auto = rollout exactly where the rollout log-probs are exact.
+    An explicit 'rollout' where they are not is refused (config validation names the key)."""
+    if mode not in OLD_LOGPROB_MODES:
+        raise ValueError(f"algo.old_logprobs: expected one of {OLD_LOGPROB_MODES}, got {mode!r}")
+    exact = rollout_logprobs_exact(engine, engine_dtype, top_p, top_k)
+    if mode == "auto":
+        return "rollout" if exact else "recompute"
+    if mode == "rollout" and not exact:
+        raise ValueError(f"algo.old_logprobs: 'rollout' needs exact generation log-probs; the {engine} engine "
+                         f"({engine_dtype}, top_p={top_p}, top_k={top_k}) does not give them; use auto or recompute")
+    return mode
+
+
+def resolve_old_logprobs_for(cfg: RootConfig) -> str:
+    """`resolve_old_logprobs` for a run's config: the vLLM engine's dtype is `rollout.vllm.dtype` as the engine
+    factory resolves it (auto = the policy's parameter dtype)."""
+    from exgrpo_megatron.model.builder import resolve_params_dtype
+    from exgrpo_megatron.rollout.factory import vllm_dtype
+
+    r = cfg.rollout
+    dtype = vllm_dtype(r.vllm.dtype, resolve_params_dtype(cfg.model))
+    return resolve_old_logprobs(cfg.algo.old_logprobs, r.engine, dtype, r.top_p, r.top_k)
+
+
+def replay_current_logprobs(groups, batch: RolloutBatch) -> list[np.ndarray | None]:
+    """Per row: the selection pass's current-policy log-probs of a replayed row (None for fresh rows and for
+    replays that were not scored). `groups` are this rank's QuestionGroups, in batch.group_index order."""
+    return [groups[g].replay_current_logprobs if rep else None
+            for g, rep in zip(batch.group_index, batch.is_replay, strict=True)]
+
+
+def old_logprobs(policy: Policy, batch: RolloutBatch, replay_current: list[np.ndarray | None], source: str, *,
+                 temperature: float, max_tokens: int) -> tuple[list[torch.Tensor], int]:
+    """(pi_old per row, number of rows that needed a forward pass here).
+
+    recompute: one forward of every row. rollout: fresh rows take the generation log-probs, replayed rows the
+    selection pass's (`replay_current`), and only replayed rows without them are run forward.
+    """
+    n = len(batch.sequences)
+    if source == "recompute":
+        forward = list(range(n))
+    elif source == "rollout":
+        forward = [i for i in range(n) if batch.is_replay[i] and replay_current[i] is None]
+    else:
+        raise ValueError(f"old log-prob source must be 'recompute' or 'rollout', got {source!r}")
+    computed = token_stats(policy, [batch.sequences[i] for i in forward], [batch.prompt_lengths[i] for i in forward],
+                           temperature=temperature, with_entropy=False, max_tokens=max_tokens).logprobs
+    old: list[torch.Tensor | None] = [None] * n
+    for i, lp in zip(forward, computed, strict=True):
+        old[i] = lp
+    for i in range(n):
+        if old[i] is not None:
+            continue
+        if not batch.is_replay[i]:
+            old[i] = batch.gen_logprobs[i].clone()
+            continue
+        cur = torch.as_tensor(np.asarray(replay_current[i]), dtype=torch.float32)
+        if cur.numel() != batch.response_lengths[i]:
+            raise ValueError(f"row {i}: {cur.numel()} selection log-probs for {batch.response_lengths[i]} tokens")
+        old[i] = cur.clone()
+    return old, len(forward)  # type: ignore[return-value]

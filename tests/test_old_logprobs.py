@@ -1,0 +1,81 @@
+"""algo.old_logprobs: where pi_old comes from (policy/old_logprobs.py), and that the selection pass's current-policy
+log-probs of the chosen trajectory travel with the replay choice (single process and DP=2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from exgrpo_megatron.config.loader import load_config
+from exgrpo_megatron.config.validate import config_errors
+from exgrpo_megatron.experience.selection import choose_trajectories
+from exgrpo_megatron.experience.sharded import ShardedExperiencePool
+from exgrpo_megatron.experience.types import CandidateScores, GroupOutcome, as_trajectory
+from exgrpo_megatron.policy.old_logprobs import resolve_old_logprobs
+from tests.helpers.multirank import run_on_ranks
+
+
+@pytest.mark.parametrize(("mode", "engine", "dtype", "top_p", "top_k", "expected"), [
+    ("auto", "megatron", "float32", 1.0, -1, "rollout"),     # the policy's own modules and dtype
+    ("auto", "megatron", "bfloat16", 0.9, 20, "rollout"),    # its log-probs are the full softmax at T regardless
+    ("auto", "vllm", "bfloat16", 1.0, -1, "recompute"),      # bf16 vLLM vs the fp32 policy: not exact
+    ("auto", "vllm", "float32", 1.0, -1, "rollout"),
+    ("auto", "vllm", "float32", 0.9, -1, "recompute"),       # top-p renormalisation differs across vLLM versions
+    ("auto", "vllm", "float32", 1.0, 50, "recompute"),
+    ("recompute", "megatron", "float32", 1.0, -1, "recompute"),
+    ("rollout", "megatron", "float32", 1.0, -1, "rollout"),
+])
+def test_resolution(mode, engine, dtype, top_p, top_k, expected):
+    assert resolve_old_logprobs(mode, engine, dtype, top_p, top_k) == expected
+
+
+def test_inexact_rollout_and_unknown_modes_fail_at_start_up_naming_the_key():
+    assert config_errors(load_config("demo_cpu", []), 1) == []
+    bf16_vllm = ["rollout.engine=vllm", "rollout.vllm.dtype=bf16", "model.hf_path=/x"]
+    for overrides in (["algo.old_logprobs=rollout", *bf16_vllm], ["algo.old_logprobs=cached"]):
+        errors = config_errors(load_config("demo_cpu", overrides), 1)
+        assert len(errors) == 1 and errors[0].startswith("algo.old_logprobs"), errors
+
+
+def _traj(tokens: list[int], step: int = 0):
+    return as_trajectory(np.array(tokens), np.full(len(tokens), -1.0), step)
+
+
+def _lp_scorer(qids, candidates):
+    """Entropy = the first token id; token log-probs = -(token id) / 10, so which candidate's came back is visible."""
+    return [CandidateScores(mean_entropy=np.array([float(t.token_ids[0]) for t in c]),
+                            token_logprobs=[-t.token_ids.astype(np.float32) / 10 for t in c]) for c in candidates]
+
+
+def test_the_chosen_candidates_logprobs_come_back_with_it():
+    rng = np.random.default_rng(0)
+    cands = [[_traj([5, 1]), _traj([2, 7, 1]), _traj([9, 1])], [_traj([3, 1])]]
+    (t0, lp0), (t1, lp1) = choose_trajectories([10, 11], cands, "ent", _lp_scorer, rng)
+    assert t0.token_ids.tolist() == [2, 7, 1] and lp0.tolist() == pytest.approx([-0.2, -0.7, -0.1])
+    assert t1.token_ids.tolist() == [3, 1] and lp1 is None  # one candidate: not scored, the trainer runs it forward
+    (t, lp), _ = choose_trajectories([10, 11], cands, "random", _lp_scorer, rng)
+    assert lp is None  # random selection runs no forward pass
+
+
+def _pool_sample(dp: int) -> list[tuple[int, list[int], list[float] | None]]:
+    import torch.distributed as dist
+
+    if dp > 1:
+        dist.init_process_group("gloo")
+    pool = ShardedExperiencePool(4, dp_group=dist.group.WORLD if dp > 1 else None)
+    rank = dist.get_rank() if dp > 1 else 0
+    outcomes = [GroupOutcome(q, 2, 4, [np.array([q % 7 + 2, q, 1]), np.array([q % 5 + 1, 1])],
+                             [np.full(3, -1.0), np.full(2, -1.0)], step=1) for q in range(rank, 12, dp)]
+    pool.update(outcomes)
+    return [(c.qid, c.trajectory.token_ids.tolist(), None if c.current_logprobs is None else
+             c.current_logprobs.tolist()) for c in pool.sample(6, 3, _lp_scorer)]
+
+
+def test_pool_choices_carry_the_current_logprobs_across_dp_ranks():
+    one = run_on_ranks(_pool_sample, 1, args=(1,))[0]
+    two = run_on_ranks(_pool_sample, 2, args=(2,))
+    assert two[0] == two[1]  # every rank gets every choice with its log-probs, whichever rank scored it
+    for choices in (one, two[0]):
+        assert len(choices) == 6
+        for _, tokens, lps in choices:
+            assert lps == pytest.approx([-t / 10 for t in tokens])
