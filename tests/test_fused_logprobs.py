@@ -156,7 +156,7 @@ def _policy_run(model_name: str, tp: int) -> dict:
         output_layer_calls.clear()
         policy.cfg = replace(cfg, trainer=replace(cfg.trainer, fused_output_logprobs=fused))
         policy.eval()
-        logp, ent = token_stats(policy, seqs, prompts, temperature=0.7, with_entropy=True, max_tokens=40)
+        logp, ent, _ = token_stats(policy, seqs, prompts, temperature=0.7, with_entropy=True, max_tokens=40)
         old = [lp + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(i)) for i, lp in
                enumerate(logp)]
         mbs = micro_batches_for_update(batch, list(range(5)), old, batch.gen_logprobs, max_tokens=40)

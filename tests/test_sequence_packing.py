@@ -128,11 +128,9 @@ def test_padded_and_packed_equal_each_sequence_alone_float64():
 
 # ----------------------------------------------------------------------------- production path, fp32
 def _ce_loss(normaliser: float):
-    from megatron.core import tensor_parallel
-
-    def loss_fn(logits, mb):
-        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float().clone(), mb.labels)
-        loss = (per_token * mb.loss_mask).sum() / normaliser
+    def loss_fn(output, mb):  # the production log-prob path (policy/output_layer.py), fused or not
+        logp, _ = output.logprobs_entropy(mb, vocab_size=None, with_entropy=False)
+        loss = (-logp * mb.loss_mask).sum() / normaliser
         return loss, {"loss_sum": loss.detach()}
 
     return loss_fn

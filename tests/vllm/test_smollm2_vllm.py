@@ -6,32 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
 from tests.helpers.multirank import run_on_ranks
+from tests.helpers.smollm2 import build_smollm2
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tools"))
 VLLM_ARGS = ["--vllm", "enforce_eager=true", "gpu_memory_utilization=0.3"]
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    from smollm2_to_hf import build
-
-    from exgrpo_megatron.convert.hf_to_megatron import convert_hf_to_megatron
-    from tests.test_smollm2 import N_PROMPTS, VAL
-
-    hf_dir = build()
-    root = tmp_path_factory.mktemp("smollm2_vllm")
-    data = str(root / "val8.jsonl")
-    with open(VAL) as src, open(data, "w") as dst:
-        dst.writelines(src.readlines()[:N_PROMPTS])
-    ckpt = str(root / "mg")
-    convert_hf_to_megatron(hf_dir, ckpt, dtype="fp32", progress=False)
-    return {"hf": hf_dir, "ckpt": ckpt, "data": data, "root": root}
+    return build_smollm2(tmp_path_factory.mktemp("smollm2_vllm"))
 
 
 def test_vllm_megatron_and_transformers_give_the_same_greedy_answers(smollm2):
