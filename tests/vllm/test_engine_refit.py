@@ -50,8 +50,8 @@ def refit_case(tp: int, pp: int, hf_dir: str) -> dict:
     samples = [s for g in vllm.generate(prompts, 2, sampled) for s in g]
     vllm.sleep()
     seqs = [s.prompt_ids + s.response_ids for s in samples]
-    ref, _ = token_stats(policy, seqs, [len(s.prompt_ids) for s in samples], temperature=1.0, with_entropy=False,
-                         max_tokens=256)
+    ref = token_stats(policy, seqs, [len(s.prompt_ids) for s in samples], temperature=1.0, with_entropy=False,
+                      max_tokens=256).logprobs
     diffs = [float((torch.tensor(s.logprobs, dtype=torch.float64) - r.double()).abs().max())
              for s, r in zip(samples, ref, strict=True)]
     return {"before": before, "vllm_greedy": v_greedy, "megatron_greedy": m_greedy, "max_logprob_diff": max(diffs),
