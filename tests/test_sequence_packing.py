@@ -249,7 +249,8 @@ def test_packing_config_errors_name_the_key():
     from exgrpo_megatron.config.validate import config_errors
 
     assert not any("sequence_packing" in e for e in config_errors(load_config("demo_cpu"), 1))
-    cfg = load_config("demo_cpu", ["model.layer_spec=local", "model.core_attention=megatron"])
+    cfg = load_config("demo_cpu", ["model.layer_spec=local", "model.core_attention=megatron",
+                                   "trainer.sequence_packing=true"])
     assert any(e.startswith("trainer.sequence_packing:") for e in config_errors(cfg, 1))
     cfg = load_config("demo_cpu", ["model.core_attention=flash"])
     assert any(e.startswith("model.core_attention:") for e in config_errors(cfg, 1))

@@ -13,8 +13,9 @@ they run in a small process pool (each worker grades on its main thread), never 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from concurrent.futures import Future, ProcessPoolExecutor
+
+from exgrpo_megatron.reward.grader import grader_forkserver_context
 
 
 def combine_labels(boxed_correct: bool, math_verify_correct: bool) -> tuple[bool, bool]:
@@ -47,7 +48,7 @@ class BenchmarkGrading:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"BenchmarkGrading: num_workers must be an int >= 1, got {num_workers!r}")
         self.timeout_seconds = timeout_seconds
-        self._pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("forkserver"))
+        self._pool = ProcessPoolExecutor(num_workers, mp_context=grader_forkserver_context())
 
     def submit(self, response: str, gold: str, require_think: bool, data_source: str, question: str) -> Future:
         return self._pool.submit(grade_generation, response, gold, require_think, self.timeout_seconds, data_source,

@@ -109,6 +109,16 @@ class _Worker:
     deadline: float = float("inf")  # last progress + hard deadline, while it holds jobs
 
 
+def grader_forkserver_context():
+    """The process-wide fork server every grading pool uses (GraderPool, reward/benchmark_grading.py). Its preload
+    imports Math-Verify once and makes the server ignore Slurm's job-wide SIGTERM/SIGUSR1 (grader_worker). The
+    server is started by whichever pool comes first and the preload is a no-op afterwards, so every pool must
+    ask for it through here: one started without it would hand out workers that die on preemption signals."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["exgrpo_megatron.reward.grader_worker", "exgrpo_megatron.reward.worker_warmup"])
+    return ctx
+
+
 class GraderPool:
     """A pool of ``num_workers`` Math-Verify processes with per-item hard deadlines (see module doc)."""
 
@@ -128,11 +138,7 @@ class GraderPool:
         self.timeout_seconds = validate_timeout(timeout_seconds)
         self.hard_deadline_seconds = float(hard_deadline_seconds)
         self.num_workers = num_workers
-        self._ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            # Import Math-Verify once in the fork server; no-op if the server already runs.
-            self._ctx.set_forkserver_preload(["exgrpo_megatron.reward.grader_worker",
-                                              "exgrpo_megatron.reward.worker_warmup"])
+        self._ctx = grader_forkserver_context() if start_method == "forkserver" else mp.get_context(start_method)
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._wake_recv, self._wake_send = mp.Pipe(duplex=False)
