@@ -24,12 +24,21 @@ KNOWN_CPU_WARNINGS: tuple[tuple[str, str], ...] = (
     # megatron/core/transformer/transformer_config.py, raised by its own default cuda_graph_scope (no graphs on CPU)
     (r"full scope is deprecated\. Use empty cuda_graph_scope", r"megatron\.core\.transformer\.transformer_config$"),
 )
+# FutureWarnings torch raises on every dist-checkpoint load (the warm-start cache, init_from, resume) through
+# megatron-core's dist_checkpointing: deprecations of APIs megatron-core 0.16 calls, nothing a user can act on.
+KNOWN_CHECKPOINT_WARNINGS: tuple[tuple[str, str], ...] = (
+    (r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing\."),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\.distributed\.checkpoint\."),
+)
 
 
 def filter_known_cpu_warnings() -> None:
-    """Ignore :data:`KNOWN_CPU_WARNINGS` (UserWarning, by message and module); idempotent."""
+    """Ignore :data:`KNOWN_CPU_WARNINGS` (UserWarning) and :data:`KNOWN_CHECKPOINT_WARNINGS` (FutureWarning), each by
+    message and module; idempotent."""
     for message, module in KNOWN_CPU_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
+    for message, module in KNOWN_CHECKPOINT_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
 
 
 def cpu_run_banner(layer_spec: str) -> str:
