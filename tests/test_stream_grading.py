@@ -82,23 +82,29 @@ def _groups(tokenizer):
     return groups
 
 
-def _stream_vs_one_shot() -> dict:
+
+def _tiny_engine():
+    """(char tokenizer, megatron KV-cache engine over a 2-layer model), in a fresh single-rank process."""
     from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
     from exgrpo_megatron.data.tokenizer import load_tokenizer
     from exgrpo_megatron.distributed.runtime import init_distributed
     from exgrpo_megatron.model.builder import build_gpt_model
-    from exgrpo_megatron.reward.grader import GraderPool
-    from exgrpo_megatron.reward.rollout_rewards import StreamingGrading, submit_grading
-    from exgrpo_megatron.rollout.groups import generate_groups
     from exgrpo_megatron.rollout.megatron_engine import MegatronRolloutEngine
-    from exgrpo_megatron.rollout.types import SamplingParams
 
     init_distributed(seed=5)
     tokenizer = load_tokenizer("char")
     model = build_gpt_model(ModelConfig(vocab_size=103, make_vocab_size_divisible_by=64, num_layers=2, hidden_size=64,
                                         ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                                         max_position_embeddings=128), ParallelConfig())
-    engine = MegatronRolloutEngine(model, tokenizer, vocab_size=103, max_batch_sequences=MAX_ROWS)
+    return tokenizer, MegatronRolloutEngine(model, tokenizer, vocab_size=103, max_batch_sequences=MAX_ROWS)
+
+def _stream_vs_one_shot() -> dict:
+    from exgrpo_megatron.reward.grader import GraderPool
+    from exgrpo_megatron.reward.rollout_rewards import StreamingGrading, submit_grading
+    from exgrpo_megatron.rollout.groups import generate_groups
+    from exgrpo_megatron.rollout.types import SamplingParams
+
+    tokenizer, engine = _tiny_engine()
     params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=9)
     groups = _groups(tokenizer)
     with GraderPool(num_workers=2, timeout_seconds=2, hard_deadline_seconds=20.0) as pool:
@@ -131,23 +137,13 @@ def test_chunks_are_graded_while_the_next_chunk_generates_with_identical_results
 def _validation_stream_vs_after() -> dict:
     """In-training validation (evaluation_loop.validation_rewards) against the pre-streaming order: generate every
     group, then grade them all (what validate_accuracy did before)."""
-    from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
-    from exgrpo_megatron.data.tokenizer import load_tokenizer
-    from exgrpo_megatron.distributed.runtime import init_distributed
     from exgrpo_megatron.evaluation_loop import validation_rewards
-    from exgrpo_megatron.model.builder import build_gpt_model
     from exgrpo_megatron.reward.grader import GraderPool
     from exgrpo_megatron.reward.rollout_rewards import submit_grading
     from exgrpo_megatron.rollout.groups import generate_groups
-    from exgrpo_megatron.rollout.megatron_engine import MegatronRolloutEngine
     from exgrpo_megatron.rollout.types import SamplingParams
 
-    init_distributed(seed=5)
-    tokenizer = load_tokenizer("char")
-    model = build_gpt_model(ModelConfig(vocab_size=103, make_vocab_size_divisible_by=64, num_layers=2, hidden_size=64,
-                                        ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                                        max_position_embeddings=128), ParallelConfig())
-    engine = MegatronRolloutEngine(model, tokenizer, vocab_size=103, max_batch_sequences=MAX_ROWS)
+    tokenizer, engine = _tiny_engine()
     params = SamplingParams(max_new_tokens=10, temperature=0.6, seed=10_007)
     groups = [g for g in _groups(tokenizer) if g.replay is None]  # validation has no replay
     with GraderPool(num_workers=2, timeout_seconds=2, hard_deadline_seconds=20.0) as pool:
