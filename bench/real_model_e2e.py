@@ -81,8 +81,8 @@ def evaluate(model: str, hf_dir: str, out: str, engine: str, python: str, log: s
     """Greedy accuracy on the validation problems (cached in <out>/summary.json)."""
     summary = os.path.join(out, "summary.json")
     if not os.path.isfile(summary):
-        run(["-m", "exgrpo_megatron.evaluate", "--model", model, "--data", VAL, "--template", "chat",
-             "--temperature", "0", "--max-new-tokens", str(EVAL_TOKENS), "--max-prompt-length", "512",
+        run(["-m", "exgrpo_megatron.evaluate", "--model", model, "--data", VAL, "--template", "chat_direct",
+             "--temperature", "0", "--max-new-tokens", str(EVAL_TOKENS), "--max-prompt-length", "128",
              "--tokenizer-dir", hf_dir, "--engine", engine, "--out", out, "--max-batch-sequences", "48",
              *(["--vllm", "enforce_eager=true", "gpu_memory_utilization=0.3"] if engine == "vllm" else [])],
             log, python)

@@ -44,11 +44,21 @@ def test_llama_base_and_plain_templates():
 
 def test_template_requires_think():
     assert template_requires_think("own") and template_requires_think("chat") and template_requires_think("plain")
-    assert not template_requires_think("llama_base")
+    assert not template_requires_think("llama_base") and not template_requires_think("chat_direct")
     with pytest.raises(ValueError, match="unknown prompt template"):
         template_requires_think("alpaca")
     with pytest.raises(ValueError, match="unknown prompt template"):
         render_prompt("q", "alpaca")
+
+
+def test_chat_direct_template_is_the_user_turn_alone(qwen):
+    """No LUFFY instruction: the model's own chat template with its default system turn (Qwen's)."""
+    prompt = render_prompt(QUESTION, "chat_direct", qwen)
+    assert LUFFY_SYSTEM_PROMPT not in prompt
+    assert prompt.endswith(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt == qwen.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        render_prompt(QUESTION, "chat_direct")
 
 
 def test_chat_template_uses_tokenizer(qwen):

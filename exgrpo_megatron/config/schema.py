@@ -134,7 +134,7 @@ class DataConfig:
     answer_key: str = "reward_model.ground_truth"
     max_prompt_length: int = 1024
     max_response_length: int = 8192
-    template: str = "own"  # own | chat | llama_base | plain
+    template: str = "own"  # own | chat | llama_base | plain | chat_direct
     tokenizer: str = "hf"  # hf (model.hf_path) | char (built-in character tokenizer)
     shuffle: bool = True
     num_val_examples: int = 64  # synthetic task only

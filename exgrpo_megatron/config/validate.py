@@ -132,7 +132,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
         e.append(f"data.arithmetic_tiers: need a non-empty list of tiers from 0..7, got {d.arithmetic_tiers}")
     if d.num_test_examples < 0:
         e.append(f"data.num_test_examples: must be >= 0, got {d.num_test_examples}")
-    _choice(e, "data.template", d.template, ("own", "chat", "llama_base", "plain"))
+    _choice(e, "data.template", d.template, ("own", "chat", "llama_base", "plain", "chat_direct"))
     _choice(e, "data.tokenizer", d.tokenizer, ("hf", "char"))
     if d.source == "files" and not d.train_files:
         e.append("data.train_files: empty; give parquet/JSONL files (tools/prepare_data.py makes them)")
