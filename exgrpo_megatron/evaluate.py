@@ -42,9 +42,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from exgrpo_megatron.data.templates import TEMPLATES
 from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading, combine_labels, grade_generation  # noqa: F401
 from exgrpo_megatron.reward.multiple_choice import is_multiple_choice
-from exgrpo_megatron.reward.templates import TEMPLATES
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
 
 DEFAULT_AVG_K: dict[str, int] = {"aime24": 32, "aime25": 32, "amc": 32}
@@ -273,10 +273,11 @@ def load_policy(model_path: str, tp: int, work_dir: str):
     import torch.distributed as dist
 
     from exgrpo_megatron.checkpoint import load_model_weights
+    from exgrpo_megatron.config.derived import resolve_params_dtype
     from exgrpo_megatron.config.schema import ParallelConfig
     from exgrpo_megatron.convert.hf_config import load_model_config
     from exgrpo_megatron.distributed.runtime import init_distributed
-    from exgrpo_megatron.model.builder import build_gpt_model, resolve_params_dtype
+    from exgrpo_megatron.model.builder import build_gpt_model
 
     kind, path = resolve_model_path(model_path)
     init_distributed(tp, 1)

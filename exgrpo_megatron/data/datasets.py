@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from exgrpo_megatron.reward.templates import render_prompt
+from exgrpo_megatron.data.templates import render_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ answer after ``</think>``; ``llama_base`` does not (its whole response is graded
 
 from __future__ import annotations
 
+from exgrpo_megatron.config.schema import CHOICES
 from exgrpo_megatron.data.tokenizer import Tokenizer
 
 LUFFY_SYSTEM_PROMPT = (
@@ -26,7 +27,7 @@ LUFFY_SYSTEM_PROMPT = (
     "multiple choices or mathematical solutions."
 )
 
-TEMPLATES: tuple[str, ...] = ("own", "chat", "llama_base", "plain")
+TEMPLATES: tuple[str, ...] = CHOICES["data.template"]
 _THINK_TEMPLATES = frozenset({"own", "chat", "plain"})
 
 
