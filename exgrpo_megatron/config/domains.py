@@ -141,7 +141,9 @@ def domain_errors(cfg: RootConfig) -> list[str]:
     bad = {e.split(":", 1)[0] for e in errors}
     for small, large in ORDERINGS:
         a, b = value_of(cfg, small), value_of(cfg, large)
-        if small not in bad and large not in bad and a is not None and b is not None and a > b:
+        if small in bad or large in bad or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+            continue
+        if a > b:
             errors.append(f"{small}: {a!r}: must be <= {large} ({b!r})")
     return errors
 

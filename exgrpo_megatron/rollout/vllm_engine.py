@@ -44,6 +44,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -103,7 +104,7 @@ class VLLMRolloutEngine:
                         "(the engine keeps its weights and KV cache while the policy trains)")
         tp = ps.get_tensor_model_parallel_world_size()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if world > 1:
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)
         else:
