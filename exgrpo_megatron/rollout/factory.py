@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from exgrpo_megatron.config.derived import vllm_dtype
+from exgrpo_megatron.config.schema import CHOICES
 from exgrpo_megatron.rollout.types import RolloutEngine
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def build_rollout_engine(
         return MegatronRolloutEngine(model, tokenizer, vocab_size=vocab_size or model_cfg.vocab_size,
                                      max_batch_sequences=max_batch_sequences)
     if kind != "vllm":
-        raise ValueError(f"rollout.engine: {kind!r} is not one of ['megatron', 'vllm']")
+        raise ValueError(f"rollout.engine: {kind!r} is not one of {list(CHOICES['rollout.engine'])}")
     if not hf_dir:
         raise ValueError("model.hf_path: rollout.engine=vllm needs the model's HF directory (config + tokenizer)")
     if not vllm_installed():
