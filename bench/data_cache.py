@@ -60,7 +60,7 @@ def write_dataset(path: str, rows: int, seed: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from exgrpo_megatron.reward.templates import LUFFY_SYSTEM_PROMPT
+    from exgrpo_megatron.data.templates import LUFFY_SYSTEM_PROMPT
 
     rng = random.Random(seed)
     records = [{"data_source": "openr1_synthetic",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.datasets import PromptDataset
@@ -14,7 +15,6 @@ from exgrpo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from exgrpo_megatron.distributed.runtime import ParallelLayout
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
 from exgrpo_megatron.experience.switch import MixedModeSwitch
-from exgrpo_megatron.policy.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.reward.grader import GraderPool
 from exgrpo_megatron.rollout.types import RolloutEngine

@@ -42,9 +42,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from exgrpo_megatron.config.schema import CHOICES
 from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading, combine_labels, grade_generation  # noqa: F401
 from exgrpo_megatron.reward.multiple_choice import is_multiple_choice
-from exgrpo_megatron.reward.templates import TEMPLATES
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
 
 DEFAULT_AVG_K: dict[str, int] = {"aime24": 32, "aime25": 32, "amc": 32}
@@ -273,10 +273,11 @@ def load_policy(model_path: str, tp: int, work_dir: str):
     import torch.distributed as dist
 
     from exgrpo_megatron.checkpoint import load_model_weights
+    from exgrpo_megatron.config.derived import resolve_params_dtype
     from exgrpo_megatron.config.schema import ParallelConfig
     from exgrpo_megatron.convert.hf_config import load_model_config
     from exgrpo_megatron.distributed.runtime import init_distributed
-    from exgrpo_megatron.model.builder import build_gpt_model, resolve_params_dtype
+    from exgrpo_megatron.model.builder import build_gpt_model
 
     kind, path = resolve_model_path(model_path)
     init_distributed(tp, 1)
@@ -325,10 +326,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="HF model dir, or our run / checkpoints / step_X dir")
     p.add_argument("--data", required=True, nargs="+",
                    help="parquet/JSONL/JSON files (prompt, reward_model.ground_truth, data_source)")
-    p.add_argument("--tokenizer", choices=("hf", "char"), default="hf")
+    p.add_argument("--tokenizer", choices=CHOICES["data.tokenizer"], default="hf")
     p.add_argument("--tokenizer-dir", default=None, help="default: the HF model dir / the checkpoint's model.hf_path")
-    p.add_argument("--template", choices=TEMPLATES, default="own")
-    p.add_argument("--engine", choices=("megatron", "vllm"), default="megatron")
+    p.add_argument("--template", choices=CHOICES["data.template"], default="own")
+    p.add_argument("--engine", choices=CHOICES["rollout.engine"], default="megatron")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=8192)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from exgrpo_megatron.data.datasets import load_prompt_dataset
+from exgrpo_megatron.data.templates import render_prompt
 from exgrpo_megatron.data.tokenizer import CharTokenizer
 from exgrpo_megatron.evaluate import (
     EvalSettings,
@@ -24,7 +25,6 @@ from exgrpo_megatron.evaluate import (
 )
 from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading
 from exgrpo_megatron.reward.boxed import grade_boxed, last_boxed_content, normalize_answer
-from exgrpo_megatron.reward.templates import render_prompt
 from exgrpo_megatron.rollout.types import Sample, SamplingParams
 from tests.helpers.multirank import run_on_ranks
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from exgrpo_megatron.data.datasets import load_prompt_dataset
+from exgrpo_megatron.data.templates import render_prompt
 from exgrpo_megatron.data.tokenizer import CharTokenizer
 from exgrpo_megatron.evaluate import (
     EvalSettings,
@@ -23,7 +24,6 @@ from exgrpo_megatron.evaluate import (
 )
 from exgrpo_megatron.reward import multiple_choice as mc
 from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading, grade_generation
-from exgrpo_megatron.reward.templates import render_prompt
 from exgrpo_megatron.rollout.types import Sample
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from exgrpo_megatron.config.loader import load_config
+from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs
 from exgrpo_megatron.config.validate import config_errors
 from exgrpo_megatron.experience.selection import choose_trajectories
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
 from exgrpo_megatron.experience.types import CandidateScores, GroupOutcome, as_trajectory
-from exgrpo_megatron.policy.old_logprobs import resolve_old_logprobs
 from tests.helpers.multirank import run_on_ranks
 
 

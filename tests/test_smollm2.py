@@ -44,8 +44,8 @@ def _responses(out: str) -> list[str]:
 def _hf_greedy(hf_dir: str, data: str) -> list[str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from exgrpo_megatron.data.templates import render_prompt
     from exgrpo_megatron.evaluate import load_eval_tokenizer
-    from exgrpo_megatron.reward.templates import render_prompt
 
     ours, tok = load_eval_tokenizer("hf", hf_dir), AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -1,65 +1,36 @@
-"""Grading overlaps generation: generate_groups calls the engine one engine batch at a time and hands each
-call's groups to StreamingGrading, which submits them to the real GraderPool before the next call starts.
+"""Grading overlaps generation: the rollout engine reports the prompts each of its batches finishes
+(`on_prompts_done`), generate_groups forwards them to StreamingGrading, which submits them to the real
+GraderPool while the engine generates its next batch.
 
-* The call plan reproduces the megatron engine's own batches (checked against the engine's planner), so
-  the chunked calls return bit-identical samples to one call, and the streamed rewards equal grading
+* The megatron engine reports every prompt once, right after the chunk that completes it (its own plan,
+  `plan_chunks`), with the samples the call returns.
+* With a real megatron engine and a real grader, the event order shows each batch's groups submitted for
+  grading inside the engine call, and the streamed samples and rewards equal generating and grading
   everything at once, in the same order.
-* With a real megatron engine and a real grader, the event order shows chunk 1 submitted for grading
-  before chunk 2 is generated.
 """
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
-import pytest
 
-from exgrpo_megatron.rollout.groups import plan_calls
 from tests.helpers.multirank import run_on_ranks
 
 K = 4
 MAX_ROWS = 8  # two fresh groups of K per engine batch
 
 
-def _engine_batches(groups: list[int], lengths: list[int], n: int, max_rows: int, pad_free: bool):
-    """The megatron engine's batches for one call over `groups`, rows named by (group, sample)."""
-    from exgrpo_megatron.rollout.megatron_engine import plan_chunks
-
-    rows = [(p, j, 0) for p in range(len(groups)) for j in range(n)]
-    chunks = plan_chunks([lengths[g] for g in groups], rows, max_rows, pad_free)
-    return [[(groups[p], j) for p, j, _ in chunk] for chunk in chunks]
-
-
-@pytest.mark.parametrize("pad_free", [False, True])
-def test_call_plan_reproduces_the_engine_batches(pad_free):
-    rng = random.Random(7)
-    for _ in range(200):
-        lengths = [rng.choice([3, 5, 5, 8, 13]) for _ in range(rng.randint(1, 12))]
-        n, max_rows = rng.randint(1, 8), rng.randint(1, 20)
-        calls = plan_calls(lengths, n, max_rows, pad_free)
-        assert sorted(g for call in calls for g in call) == list(range(len(lengths)))
-        chunked = [b for call in calls for b in _engine_batches(call, lengths, n, max_rows, pad_free)]
-        assert chunked == _engine_batches(list(range(len(lengths))), lengths, n, max_rows, pad_free)
-    assert plan_calls([5, 7, 5, 3, 9, 5], 4, 8) == [[1, 4], [0, 2], [3, 5]]  # longest first, 2 groups per batch
-    assert plan_calls([5, 5], 4, 3) == [[0, 1]]  # an engine batch straddles the groups: one call
-    assert plan_calls([5, 6, 5], 4, None) == [[0, 1, 2]]  # an engine without batches: one call, index order
-
-
 class _Recorder:
     """Proxies an engine or a grader pool, logging generate()/submit() calls into a shared event list."""
 
-    def __init__(self, inner, events: list[tuple[str, int]], hide_batching: bool = False) -> None:
-        self._inner, self._events, self._hide = inner, events, hide_batching
+    def __init__(self, inner, events: list[tuple[str, int]]) -> None:
+        self._inner, self._events = inner, events
 
     def __getattr__(self, name):
-        if self._hide and name in ("max_batch_sequences", "pad_free_batches"):
-            raise AttributeError(name)  # the pre-streaming path: one engine call per sample count
         return getattr(self._inner, name)
 
-    def generate(self, prompts, n, params, request_seeds=None):
+    def generate(self, prompts, n, params, request_seeds=None, on_prompts_done=None):
         self._events.append(("generate", len(prompts)))
-        out = self._inner.generate(prompts, n, params, request_seeds=request_seeds)
+        out = self._inner.generate(prompts, n, params, request_seeds=request_seeds, on_prompts_done=on_prompts_done)
         self._events.append(("generated", len(prompts)))
         return out
 
@@ -113,23 +84,49 @@ def _stream_vs_one_shot() -> dict:
         grading = StreamingGrading(_Recorder(pool, events), tokenizer, groups, require_think=False)
         streamed = generate_groups(_Recorder(engine, events), groups, K, params, on_chunk=grading.submit)
         streamed_rewards = grading.result().rewards
-        one_shot = generate_groups(_Recorder(engine, [], hide_batching=True), groups, K, params)
+        one_shot = generate_groups(engine, groups, K, params)
         one_shot_rewards = pool.result(
             submit_grading(pool, tokenizer, groups, one_shot, require_think=False)).rewards
     as_lists = [[(s.response_ids, s.logprobs, s.is_replay) for s in g] for g in streamed]
-    return {"events": events, "streamed": as_lists, "streamed_rewards": streamed_rewards,
+    return {"events": events, "streamed": as_lists, "streamed_rewards": streamed_rewards, **_engine_reports(engine),
             "one_shot": [[(s.response_ids, s.logprobs, s.is_replay) for s in g] for g in one_shot],
             "one_shot_rewards": one_shot_rewards}
 
 
+def _engine_reports(engine) -> dict:
+    """The megatron engine's on_prompts_done reports for one call over prompts of mixed lengths, and what its
+    own chunk plan says they must be: after each chunk, the prompts it completed."""
+    from exgrpo_megatron.rollout.megatron_engine import plan_chunks
+    from exgrpo_megatron.rollout.types import SamplingParams
+
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    n, params = 3, SamplingParams(max_new_tokens=4, seed=3)
+    reports: list[tuple[list[int], list]] = []
+    returned = engine.generate(prompts, n, params, on_prompts_done=lambda idx, s: reports.append((idx, s)))
+    rows = [(i, j, 0) for i in range(len(prompts)) for j in range(n)]
+    seen: dict[int, int] = {}
+    expected = []
+    for chunk in plan_chunks([len(p) for p in prompts], rows, engine.max_batch_sequences, engine.pad_free_batches):
+        for i, _, _ in chunk:
+            seen[i] = seen.get(i, 0) + 1
+        expected.append(sorted({i for i, _, _ in chunk if seen[i] == n}))
+    as_lists = lambda groups: [[(s.response_ids, s.logprobs) for s in g] for g in groups]
+    return {"reported": [idx for idx, _ in reports], "expected_reports": [e for e in expected if e],
+            "reported_samples": [as_lists(s) for _, s in reports],
+            "returned_samples": [as_lists([returned[i] for i in idx]) for idx, _ in reports]}
+
+
 def test_chunks_are_graded_while_the_next_chunk_generates_with_identical_results():
     got = run_on_ranks(_stream_vs_one_shot, 1)[0]
-    # 5 fresh groups of K=4 in batches of 8 rows -> calls of 2, 2, 1 groups; then the replay group (K-1 rows)
-    assert got["events"] == [("generate", 2), ("generated", 2), ("submit", 8),
-                             ("generate", 2), ("generated", 2), ("submit", 8),
-                             ("generate", 1), ("generated", 1), ("submit", 4),
-                             ("generate", 1), ("generated", 1), ("submit", 4)]
-    assert got["streamed"] == got["one_shot"]  # bit-identical samples (same engine batches)
+    # the engine reports each prompt once, after the chunk that completes it, with the samples it returns
+    assert got["reported"] == got["expected_reports"] and len(got["reported"]) > 1
+    assert sorted(i for idx in got["reported"] for i in idx) == list(range(5))
+    assert got["reported_samples"] == got["returned_samples"]
+    # 5 fresh groups of K=4 in batches of 8 rows -> batches finishing 2, 2, 1 groups, each graded inside the
+    # engine call; then the replay group (K-1 rows) in its own call
+    assert got["events"] == [("generate", 5), ("submit", 8), ("submit", 8), ("submit", 4), ("generated", 5),
+                             ("generate", 1), ("submit", 4), ("generated", 1)]
+    assert got["streamed"] == got["one_shot"]  # bit-identical samples
     assert got["streamed_rewards"] == got["one_shot_rewards"]  # same rewards, same order
     assert got["streamed"][2][-1][2] and got["streamed_rewards"][2 * K + K - 1] == 1.0  # the spliced correct replay
 
@@ -150,14 +147,12 @@ def _validation_stream_vs_after() -> dict:
         events: list[tuple[str, int]] = []
         streamed = validation_rewards(_Recorder(engine, events), _Recorder(pool, events), tokenizer, groups, K,
                                       params, require_think=False)
-        samples = generate_groups(_Recorder(engine, [], hide_batching=True), groups, K, params)
+        samples = generate_groups(engine, groups, K, params)
         after = pool.result(submit_grading(pool, tokenizer, groups, samples, require_think=False)).rewards
     return {"events": events, "streamed": streamed, "after": after}
 
 
 def test_validation_grades_while_generating_with_the_same_rewards():
     got = run_on_ranks(_validation_stream_vs_after, 1)[0]
-    assert got["events"] == [("generate", 2), ("generated", 2), ("submit", 8),
-                             ("generate", 2), ("generated", 2), ("submit", 8),
-                             ("generate", 1), ("generated", 1), ("submit", 4)]
+    assert got["events"] == [("generate", 5), ("submit", 8), ("submit", 8), ("submit", 4), ("generated", 5)]
     assert got["streamed"] == got["after"] and len(got["after"]) == 5 * K

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from exgrpo_megatron.data.templates import LUFFY_SYSTEM_PROMPT, render_prompt, template_requires_think
 from exgrpo_megatron.data.tokenizer import (
     CharTokenizer,
     HFTokenizer,
@@ -13,7 +14,6 @@ from exgrpo_megatron.data.tokenizer import (
     load_tokenizer,
     qwen_tokenizer_dir,
 )
-from exgrpo_megatron.reward.templates import LUFFY_SYSTEM_PROMPT, render_prompt, template_requires_think
 
 QUESTION = "What is $\\frac{1}{2} + \\frac{1}{3}$?"
 

@@ -8,9 +8,10 @@ import importlib.util
 import pytest
 import torch
 
+from exgrpo_megatron.config.derived import vllm_dtype
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import ConfigError, validate, vllm_startup_errors
-from exgrpo_megatron.rollout.factory import build_rollout_engine, vllm_dtype
+from exgrpo_megatron.rollout.factory import build_rollout_engine
 
 VLLM = ["rollout.engine=vllm", "data.tokenizer=char"]
 

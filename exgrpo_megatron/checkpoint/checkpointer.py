@@ -36,7 +36,7 @@ from typing import Any
 import torch.distributed as dist
 import yaml
 
-from exgrpo_megatron.checkpoint import layout as L
+import exgrpo_megatron.checkpoint.layout as L
 from exgrpo_megatron.checkpoint.compat import check_model_compatible
 from exgrpo_megatron.checkpoint.files import (
     FORMAT_VERSION,

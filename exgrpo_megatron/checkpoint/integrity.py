@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from exgrpo_megatron.checkpoint import layout as L
+import exgrpo_megatron.checkpoint.layout as L
 from exgrpo_megatron.checkpoint.files import CheckpointFormatError, check_format_version
 
 DIGESTS_KEY = "file_digests"

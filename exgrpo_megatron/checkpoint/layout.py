@@ -114,7 +114,7 @@ def write_latest_pointer(ckpt_dir: Path, name: str) -> None:
 
 def remove_stale_tmp_dirs(ckpt_dir: Path) -> list[Path]:
     """Delete leftovers of interrupted saves/deletions (anything named .tmp_*)."""
-    removed = []
+    removed: list[Path] = []
     if not ckpt_dir.is_dir():
         return removed
     for entry in ckpt_dir.iterdir():
@@ -148,7 +148,7 @@ def apply_retention(ckpt_dir: Path, keep_last: int, newest: Path, verified: set[
     trusted = [p for p in checkpoints if verified is None or p.resolve() in verified]
     if len(trusted) < keep_last:
         return []
-    oldest_kept = step_of(trusted[-keep_last])
+    oldest_kept = step_of(trusted[-keep_last]) or 0
     doomed = [p for p in checkpoints if (step_of(p) or 0) < oldest_kept and p.resolve() != newest.resolve()]
     for path in doomed:
         delete_checkpoint(path)

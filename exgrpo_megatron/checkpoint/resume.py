@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from exgrpo_megatron.checkpoint import layout as L
+import exgrpo_megatron.checkpoint.layout as L
 from exgrpo_megatron.checkpoint.checkpointer import LoadedCheckpoint, load_checkpoint
 from exgrpo_megatron.checkpoint.files import CheckpointFormatError
 from exgrpo_megatron.checkpoint.integrity import CheckpointVerificationError

@@ -3,9 +3,10 @@
 `DOMAINS` lists each int/float field of config/schema.py with its allowed range: finiteness (no NaN; no
 ±inf unless `inf_ok`), bounds (open or closed), `none_ok` for Optional fields, and `extra` values allowed
 outside the range (rollout.top_k = -1: no top-k). `ORDERINGS` relates two keys (optim.min_lr <= optim.lr).
-`PATHS` lists the paths the run will read and what they must be. All of it runs in validate.config_errors,
-before any process group or model exists, and in the dry run; each error is `key: value: reason`.
-A test checks that every numeric field of the schema has a row here.
+Every string key with a fixed set of values must be one of schema.CHOICES. `path_errors` checks the paths
+the run will read. All of it runs in validate.all_errors, before any process group or model exists, and in
+the dry run; each error starts with `key: value`. A test checks that every numeric field of the schema has a
+row here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 
-from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.config.schema import CHOICES, RootConfig
 
 INF = math.inf
 
@@ -133,10 +134,16 @@ def domain_errors(cfg: RootConfig) -> list[str]:
         reason = domain.problem(value)
         if reason is not None:
             errors.append(f"{key}: {value!r}: {reason}")
+    for key, allowed in CHOICES.items():
+        value = value_of(cfg, key)
+        if value not in allowed:
+            errors.append(f"{key}: {value!r} is not one of {list(allowed)}")
     bad = {e.split(":", 1)[0] for e in errors}
     for small, large in ORDERINGS:
         a, b = value_of(cfg, small), value_of(cfg, large)
-        if small not in bad and large not in bad and a is not None and b is not None and a > b:
+        if small in bad or large in bad or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+            continue
+        if a > b:
             errors.append(f"{small}: {a!r}: must be <= {large} ({b!r})")
     return errors
 

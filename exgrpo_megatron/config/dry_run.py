@@ -34,8 +34,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from exgrpo_megatron.config.derived import padded_vocab_size
 from exgrpo_megatron.config.schema import ModelConfig, RootConfig
-from exgrpo_megatron.model.builder import padded_vocab_size
 
 GIB = 1024**3
 GPU_MEMORY_GIB = 80.0  # one H100 80GB (the paper's hardware)

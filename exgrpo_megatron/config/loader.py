@@ -44,7 +44,9 @@ def to_schema(composed: DictConfig) -> RootConfig:
     """Merge into the typed schema; unknown keys and wrong types raise ConfigError naming the key."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RootConfig), composed)
-        return OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
+        assert isinstance(cfg, RootConfig)
+        return cfg
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         reason = str(exc).splitlines()[0]

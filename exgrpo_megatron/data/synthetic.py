@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from exgrpo_megatron.data.datasets import PromptDataset, TextEncoder, prompt_dataset_from_pairs
-from exgrpo_megatron.reward.templates import render_prompt
+from exgrpo_megatron.data.templates import render_prompt
 
 ALL_TIERS: tuple[int, ...] = (0, 1, 2, 3)  # the demo's default tiers
 KNOWN_TIERS: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7)

@@ -119,10 +119,13 @@ def cached_prompt_dataset(files: Sequence[str] | str, *, cache_dir: str, tokeniz
     """:func:`load_prompt_dataset` through the cache in ``cache_dir`` (see module doc); ``cache_dir=""``: no cache.
     Every rank of the default process group must call it (rank 0 builds, the others wait)."""
     paths = [files] if isinstance(files, str) else list(files)
-    kw = dict(prompt_key=prompt_key, answer_key=answer_key, tokenizer=tokenizer, template=template,
-              max_prompt_length=max_prompt_length)
+
+    def tokenise() -> PromptDataset:
+        return load_prompt_dataset(paths, prompt_key=prompt_key, answer_key=answer_key, tokenizer=tokenizer,
+                                   template=template, max_prompt_length=max_prompt_length)
+
     if not cache_dir:
-        return load_prompt_dataset(paths, **kw)
+        return tokenise()
     for path in paths:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"prompt data file {path!r} does not exist")
@@ -132,14 +135,14 @@ def cached_prompt_dataset(files: Sequence[str] | str, *, cache_dir: str, tokeniz
     entry = os.path.join(cache_dir, f"{key}.npz")
     built = False
     if _rank() == 0 and not os.path.isfile(entry):
-        save_entry(load_prompt_dataset(paths, **kw), entry, key)
+        save_entry(tokenise(), entry, key)
         built = True
     _barrier()
     try:
         dataset = load_entry(entry, key)
     except (OSError, ValueError, KeyError) as exc:  # not shared with rank 0's node, or unreadable: build here
         logger.warning("token cache: cannot read %s (%s); tokenising on this rank", entry, exc)
-        dataset = load_prompt_dataset(paths, **kw)
+        dataset = tokenise()
     if _rank() == 0:
         print(f"exgrpo-train: prompt data {paths}: {len(dataset)} prompts "
               f"{'tokenised and cached' if built else 'read from the token cache'} {entry} "

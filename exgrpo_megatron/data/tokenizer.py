@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 Message = dict[str, str]
 
@@ -61,7 +61,7 @@ class HFTokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return cast(str, self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))  # str for one list
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
         if not getattr(self.hf, "chat_template", None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -74,13 +75,15 @@ def apply() -> bool:
     _APPLIED = True
     filter_known_cpu_warnings()  # megatron-core's "Apex/TE not installed" fallbacks are the CPU path (module doc)
 
+    cuda: Any = torch.cuda  # the shims replace typed torch functions with CPU stand-ins
+    tensor_class: Any = torch.Tensor
     # RoPE moves inv_freq to torch.cuda.current_device() on every forward.
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    cuda.current_device = lambda: torch.device("cpu")
     # Hard-coded device="cuda" in pipeline schedules, clip_grads, found_inf, causal masks.
     for name in _FACTORIES:
         setattr(torch, name, _on_cpu(getattr(torch, name)))
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    torch.Tensor.pin_memory = lambda self, *a, **k: self
+    tensor_class.cuda = lambda self, *a, **k: self
+    tensor_class.pin_memory = lambda self, *a, **k: self
     # clip_grads / DistributedOptimizer assert param.type() == 'torch.cuda.FloatTensor'.
     plain_type = torch.Tensor.type
 
@@ -90,15 +93,16 @@ def apply() -> bool:
             return t if t.startswith("torch.cuda.") else t.replace("torch.", "torch.cuda.", 1)
         return plain_type(self, dtype, non_blocking, **kw)
 
-    torch.Tensor.type = cuda_named_type
+    tensor_class.type = cuda_named_type
     # p2p, dist_checkpointing preload and inference call synchronize/streams/events/NVTX.
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_stream = lambda *a, **k: _NullStream()
-    torch.cuda.default_stream = lambda *a, **k: _NullStream()
-    torch.cuda.Event = _WallClockEvent
+    cuda.synchronize = lambda *a, **k: None
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.Event = _WallClockEvent
     import torch.cuda.nvtx as nvtx
 
-    nvtx.range_push = nvtx.range_pop = nvtx.mark = lambda *a, **k: None
+    for name in ("range_push", "range_pop", "mark"):
+        setattr(nvtx, name, lambda *a, **k: None)
 
     # model_parallel_cuda_manual_seed and attention's tracker.fork() need a CUDA RNG.
     from megatron.core.tensor_parallel import random as mrandom

@@ -39,10 +39,13 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL; slurm/exgrpo.sh requeues the job on this exit status
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None  # what signal.signal returns
 
 
 class PreemptedDuringStartup(BaseException):
@@ -64,7 +67,7 @@ class PreemptionHandler:
         self.received_at: float | None = None
         self.startup = False
         self.interrupted_startup = False  # a signal arrived in start-up mode
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, SignalHandler] = {}
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         # Set a flag (anything heavier is unsafe inside a signal handler); in start-up mode also abort.

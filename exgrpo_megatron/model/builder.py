@@ -7,14 +7,11 @@ frequency factors 1/4, original context 8192, as megatron-core implements it).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
-
-SUPPORTED_FAMILIES = ("qwen2", "llama")
+from exgrpo_megatron.config.derived import padded_vocab_size, resolve_params_dtype
+from exgrpo_megatron.config.schema import CHOICES, ModelConfig, ParallelConfig
 
 
 def transformer_engine_available() -> bool:
@@ -34,22 +31,6 @@ def resolve_layer_spec(cfg: ModelConfig) -> str:
     if cfg.layer_spec == "auto":
         return "te" if transformer_engine_available() else "local"
     return cfg.layer_spec
-
-
-def resolve_params_dtype(cfg: ModelConfig) -> torch.dtype:
-    if cfg.params_dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.params_dtype]
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int = 1) -> int:
-    """The vocabulary padded to a multiple of `divisible_by`. Unlike Megatron-LM (which pads to
-    divisible_by x TP) the padding does not depend on TP, so a model is the same function at
-    every layout; validation requires the padded size to be divisible by TP."""
-    padded = int(math.ceil(vocab_size / divisible_by) * divisible_by)
-    if padded % tp_size:
-        raise ValueError(f"model.make_vocab_size_divisible_by: padded vocab {padded} is not divisible by TP={tp_size}")
-    return padded
 
 
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
@@ -123,8 +104,8 @@ def build_gpt_model(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    if cfg.family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"model.family: unsupported architecture {cfg.family!r}; supported: {SUPPORTED_FAMILIES}")
+    if cfg.family not in CHOICES["model.family"]:
+        raise ValueError(f"model.family: unsupported architecture {cfg.family!r}; supported: {CHOICES['model.family']}")
     tcfg = transformer_config(cfg, parallel)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)

@@ -5,7 +5,7 @@ tokens' log-probs (rollout/types.py contract: log_softmax(logits / T)). Where th
 policy does, those ARE pi_old and a second forward pass buys nothing:
   - the megatron engine (the policy's own modules and dtype; 1.5e-7 from a recompute in fp32, issue 17);
   - vLLM in fp32 with top_p = 1 and top-k off (with top-p/top-k vLLM versions differ on renormalisation).
-vLLM in bf16 is not exact: there the trainer recomputes (algo.old_logprobs=auto picks it).
+vLLM in bf16 is not exact: there the trainer recomputes (algo.old_logprobs=auto picks it, config/old_logprobs.py).
 
 Replayed rows were sampled long ago (their recorded log-probs are pi_behaviour, the replay ratio's denominator,
 algorithm reference §3), so their pi_old still needs the current weights. The trajectory-selection pass
@@ -19,43 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.policy.train_batch import RolloutBatch, token_stats
-
-OLD_LOGPROB_MODES = ("auto", "recompute", "rollout")
-
-
-def rollout_logprobs_exact(engine: str, engine_dtype: str, top_p: float, top_k: int) -> bool:
-    """Are the engine's generation log-probs the policy's own (same weights, same dtype, same distribution)?"""
-    if engine == "megatron":
-        return True
-    return engine == "vllm" and engine_dtype == "float32" and top_p == 1.0 and top_k <= 0
-
-
-def resolve_old_logprobs(mode: str, engine: str, engine_dtype: str, top_p: float, top_k: int) -> str:
-    """algo.old_logprobs -> 'recompute' | 'rollout'; auto = rollout exactly where the rollout log-probs are exact.
-    An explicit 'rollout' where they are not is refused (config validation names the key)."""
-    if mode not in OLD_LOGPROB_MODES:
-        raise ValueError(f"algo.old_logprobs: expected one of {OLD_LOGPROB_MODES}, got {mode!r}")
-    exact = rollout_logprobs_exact(engine, engine_dtype, top_p, top_k)
-    if mode == "auto":
-        return "rollout" if exact else "recompute"
-    if mode == "rollout" and not exact:
-        raise ValueError(f"algo.old_logprobs: 'rollout' needs exact generation log-probs; the {engine} engine "
-                         f"({engine_dtype}, top_p={top_p}, top_k={top_k}) does not give them; use auto or recompute")
-    return mode
-
-
-def resolve_old_logprobs_for(cfg: RootConfig) -> str:
-    """`resolve_old_logprobs` for a run's config: the vLLM engine's dtype is `rollout.vllm.dtype` as the engine
-    factory resolves it (auto = the policy's parameter dtype)."""
-    from exgrpo_megatron.model.builder import resolve_params_dtype
-    from exgrpo_megatron.rollout.factory import vllm_dtype
-
-    r = cfg.rollout
-    dtype = vllm_dtype(r.vllm.dtype, resolve_params_dtype(cfg.model))
-    return resolve_old_logprobs(cfg.algo.old_logprobs, r.engine, dtype, r.top_p, r.top_k)
 
 
 def replay_current_logprobs(groups, batch: RolloutBatch) -> list[np.ndarray | None]:

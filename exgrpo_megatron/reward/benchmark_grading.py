@@ -27,10 +27,11 @@ def grade_generation(response: str, gold: str, require_think: bool, timeout_seco
                      data_source: str = "", question: str = "") -> dict:
     """Both graders' verdicts on one response, and the combined label. A multiple-choice (OOD) benchmark's
     boxed verdict is its option letter (``question`` carries the option lines); a math one's the boxed answer."""
-    from exgrpo_megatron.reward.boxed import grade_boxed
-    from exgrpo_megatron.reward.multiple_choice import grade_choice, is_multiple_choice
+    from exgrpo_megatron.reward.boxed import BoxedGrade, grade_boxed
+    from exgrpo_megatron.reward.multiple_choice import ChoiceGrade, grade_choice, is_multiple_choice
     from exgrpo_megatron.reward.scoring import score_response
 
+    boxed: BoxedGrade | ChoiceGrade
     if is_multiple_choice(data_source):
         boxed = grade_choice(response, gold, question, require_think)
     else:

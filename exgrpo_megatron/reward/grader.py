@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any
 
 from exgrpo_megatron.reward.grader_worker import (
@@ -109,7 +110,7 @@ class _Worker:
     deadline: float = float("inf")  # last progress + hard deadline, while it holds jobs
 
 
-def grader_forkserver_context():
+def grader_forkserver_context() -> ForkServerContext:
     """The process-wide fork server every grading pool uses (GraderPool, reward/benchmark_grading.py). Its preload
     imports Math-Verify once and makes the server ignore Slurm's job-wide SIGTERM/SIGUSR1 (grader_worker). The
     server is started by whichever pool comes first and the preload is a no-op afterwards, so every pool must
@@ -138,7 +139,8 @@ class GraderPool:
         self.timeout_seconds = validate_timeout(timeout_seconds)
         self.hard_deadline_seconds = float(hard_deadline_seconds)
         self.num_workers = num_workers
-        self._ctx = grader_forkserver_context() if start_method == "forkserver" else mp.get_context(start_method)
+        self._ctx: ForkServerContext | SpawnContext = (
+            grader_forkserver_context() if start_method == "forkserver" else mp.get_context("spawn"))
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
         self._wake_recv, self._wake_send = mp.Pipe(duplex=False)
@@ -371,7 +373,7 @@ class GraderPool:
                 self._assign()
                 by_conn = {w.conn: w for w in self._workers}
                 by_sentinel = {w.process.sentinel: w for w in self._workers}
-                ready = wait([self._wake_recv, *by_conn, *by_sentinel], timeout=self._next_wakeup())
+                ready: list[Any] = wait([self._wake_recv, *by_conn, *by_sentinel], timeout=self._next_wakeup())
                 if self._wake_recv in ready:
                     while self._wake_recv.poll():
                         self._wake_recv.recv_bytes()

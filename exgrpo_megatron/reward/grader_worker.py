@@ -27,7 +27,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from exgrpo_megatron.reward.scoring import score_answer
+from exgrpo_megatron.reward.scoring import score_answer, warm_up_math_verify
 
 DONE, LAST_DONE, SLOTS = 0, 1, 2
 PIPELINE_DEPTH = 2  # chunks in flight per worker: the one being graded + the next
@@ -79,8 +79,6 @@ def worker_main(conn: Connection, timeout_seconds: int, record: Any, ring: int) 
     ignore_preemption_signals()
     for name in ("math_verify", "latex2sympy2_extended"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    from exgrpo_megatron.reward.worker_warmup import warm_up_math_verify  # not imported by the parent
-
     done = 0
     try:
         warm_up_math_verify(timeout_seconds)  # ~ms when forked from the warm fork server

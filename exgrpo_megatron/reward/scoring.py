@@ -95,3 +95,10 @@ def score_response(response_text: str, gold: str, require_think: bool, timeout_s
     if answer is None:
         return 0.0
     return score_answer(answer, gold, timeout)
+
+
+def warm_up_math_verify(timeout_seconds: int = 5) -> None:
+    """Grade a few representative answers (fraction, decimal, sqrt, percent) on the main thread: the first
+    parse/verify of a process costs ~0.2 s (lazy imports, parser construction); reward/worker_warmup.py."""
+    for answer, gold in (("\\boxed{\\frac{2}{4}}", "0.5"), ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}"), ("50\\%", "50")):
+        score_answer(answer, gold, timeout_seconds)

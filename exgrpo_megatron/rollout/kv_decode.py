@@ -113,6 +113,7 @@ class KVCacheStage:
         if model.pre_process:
             positions = torch.arange(start, start + seq, device=tokens.device)[None].expand_as(tokens)
             hidden = model.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
+        assert hidden is not None, "a stage without the embedding needs the previous stage's hidden states"
         mask = attention_mask(valid, start, seq)
         cos, sin = self.cos[start: start + seq], self.sin[start: start + seq]
         for i, layer in enumerate(self.layers):

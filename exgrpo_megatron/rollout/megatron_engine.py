@@ -11,7 +11,9 @@ up to fp rounding of the logits (tested).
 1. Batching. The call's n x len(prompts) rows are sorted by prompt length (longest first) and cut
    into chunks of `max_batch_sequences` rows. In a chunk each distinct prompt is prefilled ONCE and
    its KV cache is copied to its n sample rows. Rows leave the decode batch as soon as they finish
-   (their KV rows are dropped), and a chunk stops when every row has finished.
+   (their KV rows are dropped), and a chunk stops when every row has finished. After each chunk the
+   prompts whose n rows have all finished go to `on_prompts_done` (rollout/types.py), so a caller can
+   grade them while the next chunk generates.
 2. Exactness. Prompts are left-padded; the attention mask hides pad keys (prefill: causal | pad;
    decode: pad). RoPE ignores position_ids, but scores depend only on relative positions, so a
    padded row equals the unpadded prompt up to fp rounding. This needs an attention that honours
@@ -55,7 +57,14 @@ from exgrpo_megatron.rollout.sampling import (
     stop_window_tokens,
     uniform,
 )
-from exgrpo_megatron.rollout.types import FinishReason, Sample, SamplingParams, TextDecoder, request_seeds_for
+from exgrpo_megatron.rollout.types import (
+    FinishReason,
+    PromptsDone,
+    Sample,
+    SamplingParams,
+    TextDecoder,
+    request_seeds_for,
+)
 
 Row = tuple[int, int, int]  # (prompt index, sample index, row seed)
 
@@ -180,6 +189,7 @@ class MegatronRolloutEngine:
         n: int,
         params: SamplingParams,
         request_seeds: list[int] | None = None,
+        on_prompts_done: PromptsDone | None = None,
     ) -> list[list[Sample]]:
         seeds = request_seeds_for(prompts, n, request_seeds)
         if params.stop_strings and self.decode is None:
@@ -187,7 +197,7 @@ class MegatronRolloutEngine:
         start = time.perf_counter()
         rows = [(i, j, row_seed(params.seed, seeds[i], j)) for i in range(len(prompts)) for j in range(n)]
         chunks = plan_chunks([len(p) for p in prompts], rows, self.max_batch_sequences, self.pad_free_batches)
-        results: list[list[Sample | None]] = [[None] * n for _ in prompts]
+        results: list[dict[int, Sample]] = [{} for _ in prompts]  # sample index -> sample, per prompt
         was_training = self.model.training
         self.model.eval()
         try:
@@ -195,15 +205,20 @@ class MegatronRolloutEngine:
                 for chunk in chunks:
                     for (i, j, _), sample in zip(chunk, self._generate_chunk(prompts, chunk, params), strict=True):
                         results[i][j] = sample
+                    if on_prompts_done is not None:
+                        # completed in this chunk: a row here, and now all n (rows are never repeated)
+                        done = sorted({i for i, _, _ in chunk if len(results[i]) == n})
+                        on_prompts_done(done, [[results[i][j] for j in range(n)] for i in done])
         finally:
             self.model.set_input_tensor(None)
             self.model.train(was_training)
+        samples = [[group[j] for j in range(n)] for group in results]
         seconds = time.perf_counter() - start
-        new_tokens = sum(len(s.response_ids) for group in results for s in group)
+        new_tokens = sum(len(s.response_ids) for group in samples for s in group)
         self.tokens_per_second = new_tokens / max(seconds, 1e-9)
         self.last_stats = {"new_tokens": float(new_tokens), "seconds": seconds, "chunks": float(len(chunks)),
                            "kv_cache": float(self.decode_impl == "kv_cache")}
-        return [list(group) for group in results]  # type: ignore[arg-type]
+        return samples
 
     # ---------------------------------------------------------------- one chunk
     def _generate_chunk(self, prompts: list[list[int]], chunk: list[Row], params: SamplingParams) -> list[Sample]:

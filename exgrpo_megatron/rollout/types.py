@@ -13,6 +13,7 @@ Greedy decoding (temperature == 0) returns log_softmax(logits) (T treated as 1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -72,6 +73,11 @@ def request_seeds_for(prompts: list[list[int]], n: int, request_seeds: list[int]
     return seeds
 
 
+# on_prompts_done(indices, samples): prompts of a generate() call (indices into its `prompts`, ascending) whose n
+# samples have all finished, with those samples; see RolloutEngine.
+PromptsDone = Callable[[list[int], list[list[Sample]]], None]
+
+
 class TextDecoder(Protocol):
     """What the engines need from a tokenizer: decoding (for stop strings) and the EOS id."""
 
@@ -89,6 +95,10 @@ class RolloutEngine(Protocol):
     `request_seeds` defaults to the prompt's index in the call. What is guaranteed is engine
     specific and documented on each engine; all of them guarantee that every rank of one model
     replica (all TP and PP ranks) returns identical samples.
+
+    `on_prompts_done`, when given, is called during the call each time the engine finishes a batch that
+    completes some prompts, with those prompts and their samples (the engine's own batching: the megatron
+    engine's chunks, vLLM's whole call); every prompt is reported exactly once before generate() returns.
     """
 
     tokens_per_second: float  # new tokens / wall seconds of the last generate() call
@@ -99,6 +109,7 @@ class RolloutEngine(Protocol):
         n: int,
         params: SamplingParams,
         request_seeds: list[int] | None = None,
+        on_prompts_done: PromptsDone | None = None,
     ) -> list[list[Sample]]: ...
 
     def update_weights(self) -> None:

@@ -44,6 +44,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -51,7 +52,7 @@ from exgrpo_megatron.convert.hf_tokenizer import has_tokenizer
 from exgrpo_megatron.rollout.megatron_engine import unwrap_model
 from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
 from exgrpo_megatron.rollout.sampling import row_seed
-from exgrpo_megatron.rollout.types import FinishReason, Sample, SamplingParams, request_seeds_for
+from exgrpo_megatron.rollout.types import FinishReason, PromptsDone, Sample, SamplingParams, request_seeds_for
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class VLLMRolloutEngine:
                         "(the engine keeps its weights and KV cache while the policy trains)")
         tp = ps.get_tensor_model_parallel_world_size()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if world > 1:
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)
         else:
@@ -168,6 +169,7 @@ class VLLMRolloutEngine:
         n: int,
         params: SamplingParams,
         request_seeds: list[int] | None = None,
+        on_prompts_done: PromptsDone | None = None,
     ) -> list[list[Sample]]:
         from megatron.core import parallel_state as ps
         from vllm import SamplingParams as VllmSamplingParams
@@ -210,4 +212,6 @@ class VLLMRolloutEngine:
         results = [share[i] for i in range(len(prompts))]
         new_tokens = sum(len(s.response_ids) for g in results for s in g)
         self.tokens_per_second = new_tokens / max(time.perf_counter() - start, 1e-9)
+        if on_prompts_done is not None:  # LLM.generate returns the whole call at once: one batch
+            on_prompts_done(list(range(len(prompts))), results)
         return results

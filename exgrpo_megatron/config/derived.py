@@ -1,0 +1,49 @@
+"""Values derived from the config that several layers need, as pure functions of config values.
+
+The model builder, the checkpoint converter, the dry run and validation all pad the vocabulary the same
+way; the builder, the vLLM engine factory and validation resolve `model.params_dtype=auto` and
+`rollout.vllm.dtype` the same way. They live here, at the bottom layer, so config/ imports nothing
+above it (model/ and rollout/ import these).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from exgrpo_megatron.config.schema import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+# rollout.vllm.dtype (other than auto) -> vLLM's `dtype` argument
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int = 1) -> int:
+    """The vocabulary padded to a multiple of `divisible_by`. Unlike Megatron-LM (which pads to
+    divisible_by x TP) the padding does not depend on TP, so a model is the same function at
+    every layout; validation requires the padded size to be divisible by TP."""
+    padded = int(math.ceil(vocab_size / divisible_by) * divisible_by)
+    if padded % tp_size:
+        raise ValueError(f"model.make_vocab_size_divisible_by: padded vocab {padded} is not divisible by TP={tp_size}")
+    return padded
+
+
+def resolve_params_dtype(cfg: ModelConfig) -> torch.dtype:
+    """`model.params_dtype`: auto = bf16 on GPU, fp32 on CPU."""
+    import torch
+
+    if cfg.params_dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.params_dtype]
+
+
+def vllm_dtype(setting: str, policy_dtype: torch.dtype) -> str:
+    """vLLM's `dtype` argument: `auto` follows the policy's parameter dtype, so rollout and trainer
+    log-probs come from the same precision (a bf16 engine against an fp32 policy skews the ratio)."""
+    import torch
+
+    if setting != "auto":
+        return VLLM_DTYPES[setting]
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[policy_dtype]
