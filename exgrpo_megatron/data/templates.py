@@ -6,9 +6,12 @@
   with the generation prompt (what the reference training run renders).
 * ``llama_base``: ``User: {question} Answer: Let's think step by step.\\n`` (Llama-3.1-8B base).
 * ``plain``: ``{question}\\n<think>\\n``, a short form for the synthetic CPU demo.
+* ``chat_direct``: the tokenizer's chat template over ``[user: question]`` alone (the model's own default
+  system turn), for small instruct models that answer directly (SmolLM2-135M-Instruct: 25% of the shipped
+  word problems greedy with ~53 prompt tokens, 8% under the 181-token LUFFY instruction).
 
 ``own``, ``chat`` and ``plain`` expect the response to reason inside ``<think> … </think>`` and
-answer after ``</think>``; ``llama_base`` does not (its whole response is graded).
+answer after ``</think>``; ``llama_base`` and ``chat_direct`` do not (the whole response is graded).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def render_prompt(question: str, template: str, tokenizer: Tokenizer | None = No
     if template == "plain":
         return f"{question}\n<think>\n"
     if tokenizer is None:
-        raise ValueError("the 'chat' template needs a tokenizer (its chat template renders the prompt)")
-    messages = [{"role": "system", "content": LUFFY_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        raise ValueError(f"the {template!r} template needs a tokenizer (its chat template renders the prompt)")
+    messages = [{"role": "user", "content": question}]
+    if template == "chat":
+        messages.insert(0, {"role": "system", "content": LUFFY_SYSTEM_PROMPT})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
