@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from exgrpo_megatron.convert.hf_mapping import LOCAL_TO_TE, canonical_name, split_layer_name
+from exgrpo_megatron.model.param_layout import LOCAL_TO_TE, canonical_name, split_layer_name
 
 LAYER_EXTRA_STATE_MODULES = (
     "self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",

@@ -146,7 +146,7 @@ class VLLMRolloutEngine:
         version = self.weights_version()
         if self._asleep:
             self.llm.wake_up(tags=["weights"])  # refit before re-allocating the KV cache
-        weights = (pair for bucket in iter_hf_weight_buckets(self.model, self.model_cfg, self.bucket_bytes)
+        weights = (pair for bucket in iter_hf_weight_buckets([self.model], self.model_cfg, self.bucket_bytes)
                    for pair in bucket)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if self._asleep:
