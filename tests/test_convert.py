@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -41,19 +42,17 @@ def make_hf_model(family: str, out_dir: str):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
+    shape: dict[str, Any] = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)
+    model: Any
     if family == "qwen2":
-        cfg = Qwen2Config(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                          max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6)
-        model = Qwen2ForCausalLM(cfg)
+        extra: dict[str, Any] = {"rope_theta": 1e6, "rms_norm_eps": 1e-6}
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False, max_position_embeddings=256, **extra))
     else:
-        cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                          max_position_embeddings=16384, rms_norm_eps=1e-5,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                          rope_theta=500000.0)
-        model = LlamaForCausalLM(cfg)
+        llama3: dict[str, Any] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        extra = {"rms_norm_eps": 1e-5, "rope_scaling": llama3, "rope_theta": 500000.0}
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True, max_position_embeddings=16384, **extra))
     model = model.float().eval()
     _perturb(model, 1)
     model.save_pretrained(out_dir)

@@ -6,6 +6,8 @@ TP-invariant); PP=2 stages loaded with the TP=1 weights must stream the same nam
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from exgrpo_megatron.rollout.refit import plan_buckets
@@ -45,7 +47,7 @@ def reference_tp1() -> dict:
 
     model, cfg = _build(1, 1, tied=False)
     params = named_global_params([model], tied_copy=False)
-    out = {"untied": _stream(model, cfg), "params": {n: p.detach().clone() for n, p in params}}
+    out: dict[str, Any] = {"untied": _stream(model, cfg), "params": {n: p.detach().clone() for n, p in params}}
     out["param_order"] = [n for n, _ in model.named_parameters()]
     return out
 

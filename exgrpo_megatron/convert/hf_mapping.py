@@ -150,7 +150,8 @@ def hf_to_megatron(name: str, hf_tensors: Mapping[str, torch.Tensor], cfg: Model
         return pad_vocab(srcs[0][: cfg.vocab_size], rows)
     _, suffix = split_layer_name(name)
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        return interleave_qkv(*srcs, *_qkv_dims(cfg))
+        q, k, v = srcs
+        return interleave_qkv(q, k, v, *_qkv_dims(cfg))
     if suffix == "mlp.linear_fc1.weight":
         return torch.cat(srcs, dim=0)
     return srcs[0]

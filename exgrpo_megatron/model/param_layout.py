@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,11 +81,12 @@ def global_param_name(local_name: str, offset: int) -> str:
     return name if layer is None else f"decoder.layers.{layer + offset}.{suffix}"
 
 
-def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
+def unwrap_chunk(chunk: torch.nn.Module) -> Any:
     """The bare GPTModel inside DDP / Float16Module wrappers (`.module`)."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
+    gpt: Any = chunk
+    while hasattr(gpt, "module"):
+        gpt = gpt.module
+    return gpt
 
 
 def chunk_layer_offset(chunk: torch.nn.Module) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from exgrpo_megatron.config.schema import ModelConfig
 from exgrpo_megatron.model.param_layout import (
     EMBEDDING,
     named_global_params,
@@ -40,7 +41,7 @@ from exgrpo_megatron.model.param_layout import (
 HF_LM_HEAD_NAME = "lm_head.weight"
 
 # (megatron global name, full TP=1 tensor, ModelConfig) -> [(hf name, tensor)], as convert.hf_mapping.megatron_to_hf
-HFConverter = Callable[[str, torch.Tensor, object], list[tuple[str, torch.Tensor]]]
+HFConverter = Callable[[str, torch.Tensor, ModelConfig], list[tuple[str, torch.Tensor]]]
 
 
 def gather_tp_params(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -113,13 +114,15 @@ def iter_full_param_buckets(chunks: Sequence[torch.nn.Module], bucket_bytes: int
 
 
 def iter_hf_weight_buckets(
-    chunks: Sequence[torch.nn.Module], model_cfg, bucket_bytes: int, convert: HFConverter | None = None
+    chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, bucket_bytes: int, convert: HFConverter | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """HF-named full tensors per bucket (default mapping: `convert.hf_mapping.megatron_to_hf`, which
     trims the vocabulary padding and maps a tied output layer to nothing). With tied embeddings
     `lm_head.weight` is emitted as the converted embedding, once."""
     if convert is None:
-        from exgrpo_megatron.convert.hf_mapping import megatron_to_hf as convert
+        from exgrpo_megatron.convert.hf_mapping import megatron_to_hf
+
+        convert = megatron_to_hf
     tied = bool(unwrap_chunk(chunks[0]).share_embeddings_and_output_weights)
     for bucket in iter_full_param_buckets(chunks, bucket_bytes):
         hf: list[tuple[str, torch.Tensor]] = []

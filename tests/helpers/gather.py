@@ -29,7 +29,7 @@ def full_tensors(modules: list[torch.nn.Module], what: str = "data") -> dict:
     pp = ps.get_pipeline_model_parallel_world_size()
     local: dict[str, torch.Tensor] = {}
     for name, p in named_global_params(modules, tied_copy=False):
-        t = p.main_grad if what == "grad" else p.data
+        t = p.main_grad if what == "grad" else p.data  # type: ignore[attr-defined]  # DDP sets main_grad
         local[name] = _gather_tp(t.detach().float(), p).clone()
     if pp == 1:
         return local
