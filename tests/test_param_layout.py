@@ -56,6 +56,8 @@ def test_layer_offset_rejects_uneven_and_missing_stage():
         layer_offset(6, 2, 0, 2, 0)
     with pytest.raises(ValueError, match="vp_stage"):
         layer_offset(8, 2, 0, 2, None)
+    with pytest.raises(ValueError, match="PP > 1"):
+        layer_offset(8, 1, 0, 2, 1)
 
 
 @pytest.mark.parametrize("dim,stride,tp", [(0, 1, 2), (0, 2, 2), (0, 2, 4), (1, 1, 2), (1, 1, 4), (0, 1, 1)])

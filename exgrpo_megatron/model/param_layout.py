@@ -69,6 +69,8 @@ def layer_offset(num_layers: int, pp_size: int, pp_rank: int, vpp_size: int | No
         raise ValueError(f"num_layers={num_layers} is not divisible by PP={pp_size} x VPP={vpp_size or 1}")
     if vpp_size is None:
         return pp_rank * (num_layers // pp_size)
+    if pp_size == 1:  # megatron-core would give every chunk offset 0, i.e. the same layers twice
+        raise ValueError(f"VPP={vpp_size} needs pipeline parallelism (PP > 1)")
     if vp_stage is None or not 0 <= vp_stage < vpp_size:
         raise ValueError(f"vp_stage={vp_stage}: expected 0 <= vp_stage < VPP={vpp_size}")
     return vp_stage * (num_layers // vpp_size) + pp_rank * (num_layers // chunks)
