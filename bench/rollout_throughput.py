@@ -60,7 +60,7 @@ def build_models(preset: str):
     gpt = build_gpt_model(cfg, ParallelConfig()).eval()
     hf_cfg = hf_config_from_model_config(cfg, dtype="float32")
     hf = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in hf_cfg.items() if k not in ("architectures",)})).eval()
-    weights = {n: t for b in iter_hf_weight_buckets(gpt, cfg, 1 << 30, convert=megatron_to_hf) for n, t in b}
+    weights = {n: t for b in iter_hf_weight_buckets([gpt], cfg, 1 << 30, convert=megatron_to_hf) for n, t in b}
     missing, unexpected = hf.load_state_dict(weights, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     return cfg, gpt, hf

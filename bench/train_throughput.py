@@ -91,7 +91,7 @@ def build_hf(cfg, attn: str, gpt=None):
         from exgrpo_megatron.convert.hf_mapping import megatron_to_hf
         from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
 
-        buckets = iter_hf_weight_buckets(gpt, cfg, 1 << 30, convert=megatron_to_hf)
+        buckets = iter_hf_weight_buckets([gpt], cfg, 1 << 30, convert=megatron_to_hf)
         weights = {n: t.clone() for b in buckets for n, t in b}
         missing, unexpected = hf.load_state_dict(weights, strict=False)
         assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)

@@ -55,7 +55,7 @@ def build_engine(cfg: RootConfig, policy: Policy, tokenizer: Tokenizer) -> Rollo
         raise ValueError("parallel.virtual_pipeline_model_parallel_size: the megatron rollout engine needs "
                          "one model chunk per stage; use rollout.engine=vllm with virtual pipelining")
     return build_rollout_engine(
-        cfg.rollout.engine, policy.modules[0], cfg.model, tokenizer, vllm=cfg.rollout.vllm, hf_dir=cfg.model.hf_path,
+        cfg.rollout.engine, policy.modules, cfg.model, tokenizer, vllm=cfg.rollout.vllm, hf_dir=cfg.model.hf_path,
         seed=cfg.seed, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
         max_batch_sequences=cfg.rollout.max_batch_sequences, weights_version=lambda: policy.weights_version)
 

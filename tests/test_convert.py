@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -20,14 +21,9 @@ from exgrpo_megatron.convert.hf_config import (
     model_config_from_hf,
     save_model_config,
 )
-from exgrpo_megatron.convert.hf_mapping import (
-    EMBEDDING,
-    hf_to_megatron,
-    megatron_to_hf,
-    merge_from_tp,
-    split_for_tp,
-)
+from exgrpo_megatron.convert.hf_mapping import hf_to_megatron, megatron_to_hf
 from exgrpo_megatron.model.builder import padded_vocab_size
+from exgrpo_megatron.model.param_layout import EMBEDDING, merge_from_tp, split_for_tp
 from tests.helpers.multirank import run_on_ranks
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
@@ -46,19 +42,17 @@ def make_hf_model(family: str, out_dir: str):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
+    shape: dict[str, Any] = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)
+    model: Any
     if family == "qwen2":
-        cfg = Qwen2Config(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                          max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6)
-        model = Qwen2ForCausalLM(cfg)
+        extra: dict[str, Any] = {"rope_theta": 1e6, "rms_norm_eps": 1e-6}
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False, max_position_embeddings=256, **extra))
     else:
-        cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                          max_position_embeddings=16384, rms_norm_eps=1e-5,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                          rope_theta=500000.0)
-        model = LlamaForCausalLM(cfg)
+        llama3: dict[str, Any] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        extra = {"rms_norm_eps": 1e-5, "rope_scaling": llama3, "rope_theta": 500000.0}
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True, max_position_embeddings=16384, **extra))
     model = model.float().eval()
     _perturb(model, 1)
     model.save_pretrained(out_dir)
@@ -105,17 +99,12 @@ def _check_shards(model, cfg: ModelConfig, ckpt_dir: str) -> int:
     from megatron.core import parallel_state as ps
 
     from exgrpo_megatron.convert.dist_ckpt_io import DistCheckpointReader
-    from exgrpo_megatron.convert.hf_mapping import OUTPUT, split_layer_name
+    from exgrpo_megatron.model.param_layout import named_global_params
 
     reader = DistCheckpointReader(os.path.join(ckpt_dir, "model"))
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    offset = ps.get_pipeline_model_parallel_rank() * cfg.num_layers // ps.get_pipeline_model_parallel_world_size()
     checked = 0
-    for name, param in model.named_parameters():
-        layer, suffix = split_layer_name(name)
-        gname = name if layer is None else f"decoder.layers.{layer + offset}.{suffix}"
-        if gname == OUTPUT and cfg.tie_word_embeddings:
-            gname = EMBEDDING
+    for gname, param in named_global_params([model], tied_copy=True):
         expected = split_for_tp(gname, reader.read_param(gname), tp, cfg)[rank]
         assert torch.equal(param.detach(), expected), gname
         checked += 1
@@ -323,12 +312,12 @@ def test_split_merge_round_trip(tp):
         full = torch.randn(shape, generator=g)
         shards = split_for_tp(name, full, tp, QCFG)
         assert len(shards) == tp
-        merged = merge_from_tp(name, shards, QCFG)
+        merged = merge_from_tp(name, shards)
         if name in (EMBEDDING, "output_layer.weight"):  # re-padded as the builder pads, vocab rows preserved
             assert merged.shape[0] == padded_vocab_size(100, 16, tp)
             assert torch.equal(merged[:100], full[:100]) and not merged[100:].any()
         else:
             assert torch.equal(merged, full), name
     assert megatron_to_hf("decoder.layers.1.self_attention.linear_proj._extra_state", torch.zeros(1), QCFG) == []
-    assert megatron_to_hf("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", torch.ones(64), QCFG,
-                          layer_offset=3)[0][0] == "model.layers.3.post_attention_layernorm.weight"
+    assert megatron_to_hf("decoder.layers.3.mlp.linear_fc1.layer_norm_weight", torch.ones(64),
+                          QCFG)[0][0] == "model.layers.3.post_attention_layernorm.weight"

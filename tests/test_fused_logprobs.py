@@ -168,7 +168,7 @@ def _policy_run(model_name: str, tp: int) -> dict:
         metrics = policy.forward_backward(mbs, loss_fn)
         loss = float(sum(m["pg_loss"] - m["entropy_bonus"] for m in metrics))
         out[fused] = {"logp": logp, "entropy": ent, "loss": loss, "output_layer_calls": len(output_layer_calls),
-                      "n_micro": len(mbs), "grads": full_tensors(policy.modules, "grad", cfg.model.num_layers)}
+                      "n_micro": len(mbs), "grads": full_tensors(policy.modules, "grad")}
     return out
 
 

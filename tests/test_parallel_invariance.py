@@ -45,9 +45,9 @@ def _run(tp: int, pp: int, model_name: str, init: dict | None, micro_tokens: int
     init_distributed(tp, pp, seed=cfg.seed)
     policy = Policy(cfg)
     # Megatron's init draws per stage, so layouts start from the same TP=1 weights explicitly.
-    initial = full_tensors(policy.modules, "data", cfg.model.num_layers)
+    initial = full_tensors(policy.modules, "data")
     if init is not None:
-        load_full_tensors(policy.modules, init, cfg.model.num_layers)
+        load_full_tensors(policy.modules, init)
     seqs, prompts = _batch()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     my_rows = [i for i in range(len(seqs)) if i % dp == dp_rank]
@@ -59,9 +59,9 @@ def _run(tp: int, pp: int, model_name: str, init: dict | None, micro_tokens: int
     metrics = policy.forward_backward(mbs, _ce_loss(normaliser))
     local_loss = torch.stack([m["loss_sum"] for m in metrics]).sum()
     torch.distributed.all_reduce(local_loss, group=ps.get_data_parallel_group())
-    grads = full_tensors(policy.modules, "grad", cfg.model.num_layers)
+    grads = full_tensors(policy.modules, "grad")
     result = policy.optimizer_step(skip_grad_bound=1e9)
-    weights = full_tensors(policy.modules, "data", cfg.model.num_layers)
+    weights = full_tensors(policy.modules, "data")
     return {"initial": initial, "loss": float(local_loss), "grads": grads, "weights": weights,
             "grad_norm": result.grad_norm, "n_micro": len(mbs)}
 

@@ -89,12 +89,12 @@ def _teacher_forced_all(model, sample: Sample, temperature: float) -> torch.Tens
 
 
 def single_rank_checks() -> dict:
+    from exgrpo_megatron.model.param_layout import named_global_params
     from exgrpo_megatron.rollout.megatron_engine import MegatronRolloutEngine
-    from exgrpo_megatron.rollout.refit import stage_params
 
     model = _build(1, 1)
     engine = MegatronRolloutEngine(model, LetterTokenizer(), vocab_size=VOCAB, max_batch_sequences=16)
-    out: dict = {"tp1_state": {name: p.detach().clone() for name, p in stage_params(model)}}
+    out: dict = {"tp1_state": {name: p.detach().clone() for name, p in named_global_params([model], tied_copy=False)}}
     model.train()
     out["layout"] = _as_lists(engine.generate(LAYOUT_PROMPTS, 2, SamplingParams(**LAYOUT_PARAMS)))
     out["training_restored"] = model.training
@@ -167,13 +167,13 @@ def single_rank_checks() -> dict:
 
 
 def _layout_run(tp: int, pp: int, tp1_state: dict | None) -> dict:
+    from exgrpo_megatron.model.param_layout import named_global_params
     from exgrpo_megatron.rollout.megatron_engine import MegatronRolloutEngine
-    from exgrpo_megatron.rollout.refit import stage_params
 
     model = _build(tp, pp)
     if tp1_state is not None:  # PP stages init differently: load the TP=1 weights by global name
         with torch.no_grad():
-            for name, param in stage_params(model):
+            for name, param in named_global_params([model], tied_copy=False):
                 param.copy_(tp1_state[name])
     return {
         impl: _as_lists(MegatronRolloutEngine(model, vocab_size=VOCAB, max_batch_sequences=16, decode_impl=impl)

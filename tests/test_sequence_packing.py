@@ -148,15 +148,15 @@ def _policy_run(tp: int, pp: int, overrides: tuple[str, ...], init: dict | None 
     init_distributed(tp, pp, seed=cfg.seed)
     policy = Policy(cfg)
     if init is not None:
-        load_full_tensors(policy.modules, init, cfg.model.num_layers)
+        load_full_tensors(policy.modules, init)
     seqs, prompts = _batch(9, seed=1)
     normaliser = float(sum(len(s) - p for s, p in zip(seqs, prompts, strict=True)))
     mbs = make_micro_batches(seqs, prompts, list(range(len(seqs))), 48, cfg.trainer.sequence_packing)
     policy.zero_grad()
     metrics = policy.forward_backward(mbs, _ce_loss(normaliser))
     loss = float(torch.stack([m["loss_sum"] for m in metrics]).sum())
-    return {"loss": loss, "grads": full_tensors(policy.modules, "grad", cfg.model.num_layers),
-            "initial": full_tensors(policy.modules, "data", cfg.model.num_layers),
+    return {"loss": loss, "grads": full_tensors(policy.modules, "grad"),
+            "initial": full_tensors(policy.modules, "data"),
             "padding_share": policy.take_padding_share(), "n_micro": len(mbs)}
 
 

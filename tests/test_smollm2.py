@@ -56,7 +56,7 @@ def _hf_greedy(hf_dir: str, data: str) -> list[str]:
             ids = torch.tensor([ours.encode(render_prompt(question, "chat", ours))])
             with torch.no_grad():
                 gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-            out.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
+            out.append(str(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)))
     return out
 
 

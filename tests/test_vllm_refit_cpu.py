@@ -6,9 +6,11 @@ TP-invariant); PP=2 stages loaded with the TP=1 weights must stream the same nam
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from exgrpo_megatron.rollout.refit import assemble_tp_shards, plan_buckets
+from exgrpo_megatron.rollout.refit import plan_buckets
 from tests.helpers.multirank import run_on_ranks
 
 BUCKET_BYTES = 16 * 1024
@@ -27,8 +29,8 @@ def _build(tp: int, pp: int, tied: bool):
 def _stream(model, cfg) -> dict:
     from exgrpo_megatron.rollout.refit import iter_full_param_buckets, iter_hf_weight_buckets
 
-    buckets = list(iter_full_param_buckets(model, BUCKET_BYTES))
-    hf_pairs = [pair for b in iter_hf_weight_buckets(model, cfg, BUCKET_BYTES) for pair in b]  # convert.hf_mapping
+    buckets = list(iter_full_param_buckets([model], BUCKET_BYTES))
+    hf_pairs = [pair for b in iter_hf_weight_buckets([model], cfg, BUCKET_BYTES) for pair in b]  # convert.hf_mapping
     hf = dict(hf_pairs)
     return {
         "names": [n for b in buckets for n, _ in b],
@@ -41,10 +43,11 @@ def _stream(model, cfg) -> dict:
 
 
 def reference_tp1() -> dict:
-    from exgrpo_megatron.rollout.refit import stage_params
+    from exgrpo_megatron.model.param_layout import named_global_params
 
     model, cfg = _build(1, 1, tied=False)
-    out = {"untied": _stream(model, cfg), "params": {n: p.detach().clone() for n, p in stage_params(model)}}
+    params = named_global_params([model], tied_copy=False)
+    out: dict[str, Any] = {"untied": _stream(model, cfg), "params": {n: p.detach().clone() for n, p in params}}
     out["param_order"] = [n for n, _ in model.named_parameters()]
     return out
 
@@ -52,31 +55,20 @@ def reference_tp1() -> dict:
 def two_rank_layouts(tp1_params: dict) -> dict:
     from megatron.core import parallel_state as ps
 
-    from exgrpo_megatron.rollout.refit import stage_params
+    from exgrpo_megatron.model.param_layout import named_global_params
 
     model, cfg = _build(2, 1, tied=False)
     out = {"tp2": _stream(model, cfg)}
     ps.destroy_model_parallel()
     model, cfg = _build(1, 2, tied=False)
     with torch.no_grad():
-        for name, param in stage_params(model):
+        for name, param in named_global_params([model], tied_copy=False):
             param.copy_(tp1_params[name])
     out["pp2"] = _stream(model, cfg)
     ps.destroy_model_parallel()
     model, cfg = _build(1, 2, tied=True)
     out["pp2_tied"] = _stream(model, cfg)
     return out
-
-
-def test_assemble_tp_shards_inverts_megatron_split():
-    master = torch.arange(8 * 3, dtype=torch.float64).view(8, 3)
-    for tp, stride in [(2, 1), (2, 2), (4, 2), (1, 2)]:
-        pieces = master.chunk(tp * stride, dim=0)  # megatron: rank r holds pieces r, r+tp, ...
-        shards = [torch.cat(pieces[r::tp], dim=0) for r in range(tp)]
-        assert torch.equal(assemble_tp_shards(shards, 0, stride), master)
-    cols = master.t().contiguous()
-    shards = list(cols.chunk(2, dim=1))
-    assert torch.equal(assemble_tp_shards(shards, 1, 1), cols)
 
 
 def test_plan_buckets_sizes_order_and_coverage():

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from exgrpo_megatron.convert.hf_mapping import LOCAL_TO_TE, canonical_name, split_layer_name
+from exgrpo_megatron.model.param_layout import LOCAL_TO_TE, canonical_name, split_layer_name
 
 LAYER_EXTRA_STATE_MODULES = (
     "self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
@@ -115,7 +115,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:
             return _empty_extra_state()
-        spec = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        spec = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset or ()))]
         tensor = spec.produce()
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise RuntimeError(f"{spec.key}@{spec.offset}: produced {tuple(tensor.shape)} {tensor.dtype}, "
@@ -151,6 +151,8 @@ class _RegionLoadPlanner(LoadPlanner):
         self._dest: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        if metadata is None:
+            raise ValueError("reading a torch_dist checkpoint needs its metadata")
         self.metadata = metadata
 
     def create_local_plan(self) -> LoadPlan:
@@ -176,7 +178,7 @@ class _RegionLoadPlanner(LoadPlanner):
         raise RuntimeError("bytes objects are not requested")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        dest = self._dest[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        dest = self._dest[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ()))]
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
             dest = dest.narrow(dim, start, length)
         return dest

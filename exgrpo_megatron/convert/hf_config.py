@@ -33,11 +33,11 @@ def _rope_dict(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from either the legacy keys or transformers-5 `rope_parameters`."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or None
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))  # type: ignore[arg-type]
     rope_type = (scaling or params).get("rope_type", (scaling or params).get("type", "default"))
     if rope_type in (None, "default"):
-        return float(theta), None
-    return float(theta), dict(scaling or params)
+        return theta, None
+    return theta, dict(scaling or params)
 
 
 def _rope_scaling_factor(hf: dict[str, Any]) -> float | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -34,7 +35,7 @@ class SafetensorsSource:
             raise FileNotFoundError(f"{hf_dir}: no {INDEX_FILE} or {SINGLE_FILE}"
                                     + (f" (found {bins}: convert .bin weights to safetensors first)" if bins else ""))
         self.hf_dir = hf_dir
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, Any] = {}
 
     def names(self) -> list[str]:
         return list(self.weight_map)

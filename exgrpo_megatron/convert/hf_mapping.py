@@ -1,22 +1,20 @@
 """Pure name/layout mapping between megatron-core GPTModel parameters and HF Qwen2/Llama tensors.
 
-"Full" megatron tensors are in the TP=1 layout (what a TP all-gather produces). Rules from
-shared/docs/ecosystem.md section 4 and anchors.md section C:
+"Full" megatron tensors are in the TP=1 layout (what a TP all-gather produces) and carry global names;
+megatron names and TP sharding are model/param_layout.py's. Rules from shared/docs/ecosystem.md
+section 4 and anchors.md section C:
   * linear_qkv rows are interleaved PER QUERY GROUP: for each group g, [q heads of g (H/G of them); k_g; v_g];
     Qwen2's q/k/v biases the same way (1-D). Under TP each rank holds G/TP whole groups, so a TP
     split of the full interleaved tensor is a plain dim-0 chunk (naive cat([q, k, v]) is the known bug).
-  * linear_fc1 = cat([gate_proj, up_proj]); TP rank t holds cat([chunk(gate)[t], chunk(up)[t]]),
-    NOT a plain chunk of the fused matrix.
-  * Column-parallel (qkv, fc1, embedding, output_layer) split on dim 0, the vocabulary padded as
-    `model.builder.padded_vocab_size` pads it; row-parallel (linear_proj, linear_fc2) on dim 1;
-    norms are replicated. Vocabulary padding is trimmed on export.
+  * linear_fc1 = cat([gate_proj, up_proj]) (TP shards it with stride 2: rank t holds [gate_t; up_t]).
+  * The vocabulary is zero-padded as `model.builder.padded_vocab_size` pads it on import and trimmed
+    on export.
 Names: local spec (`decoder.layers.{i}.input_layernorm.weight`) and TE spec
 (`decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight`) are both accepted.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
@@ -24,17 +22,15 @@ import torch
 from exgrpo_megatron.config.schema import ModelConfig
 from exgrpo_megatron.convert.hf_config import UnsupportedArchitectureError, head_dim
 from exgrpo_megatron.model.builder import padded_vocab_size
+from exgrpo_megatron.model.param_layout import (
+    EMBEDDING,
+    FINAL_NORM,
+    OUTPUT,
+    canonical_name,
+    pad_vocab,
+    split_layer_name,
+)
 
-EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT = "output_layer.weight"
-FINAL_NORM = "decoder.final_layernorm.weight"
-_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# TE fused-norm names -> local-spec names (the TE names are also the dist-checkpoint keys).
-TE_TO_LOCAL = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-}
-LOCAL_TO_TE = {v: k for k, v in TE_TO_LOCAL.items()}
 # local-spec layer suffix -> HF suffix (under model.layers.{i}.) for the one-to-one tensors
 _LAYER_ONE_TO_ONE = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -42,27 +38,8 @@ _LAYER_ONE_TO_ONE = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
-COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight")
-ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-REPLICATED = ("input_layernorm.weight", "pre_mlp_layernorm.weight")
 # HF tensors that carry no weights we need (old checkpoints store RoPE buffers).
 IGNORABLE_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def canonical_name(name: str) -> str:
-    """Strip wrapper prefixes (DDP/Float16Module `module.`) and map TE norm names to local names."""
-    while name.startswith("module."):
-        name = name[len("module."):]
-    m = _LAYER_RE.match(name)
-    if m and m.group(2) in TE_TO_LOCAL:
-        return f"decoder.layers.{m.group(1)}.{TE_TO_LOCAL[m.group(2)]}"
-    return name
-
-
-def split_layer_name(name: str) -> tuple[int | None, str]:
-    """(global layer index or None, suffix) of a canonical megatron name."""
-    m = _LAYER_RE.match(name)
-    return (int(m.group(1)), m.group(2)) if m else (None, name)
 
 
 def megatron_param_names(cfg: ModelConfig) -> list[str]:
@@ -111,11 +88,10 @@ def _qkv_dims(cfg: ModelConfig) -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------- megatron -> HF
-def megatron_to_hf(name: str, full_tensor: torch.Tensor, cfg: ModelConfig, layer_offset: int = 0
-                   ) -> list[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs for one FULL (TP-gathered) megatron tensor. `layer_offset` is added to the
-    layer index in `name` (pass the stage's first global layer when `name` uses stage-local indices).
-    `_extra_state` entries and a tied output layer map to nothing; vocabulary padding is trimmed."""
+def megatron_to_hf(name: str, full_tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs for one FULL (TP-gathered) megatron tensor with its global name
+    (model/param_layout.py). `_extra_state` entries and a tied output layer map to nothing; vocabulary
+    padding is trimmed."""
     name = canonical_name(name)
     if name.endswith("._extra_state"):
         return []
@@ -128,7 +104,7 @@ def megatron_to_hf(name: str, full_tensor: torch.Tensor, cfg: ModelConfig, layer
     layer, suffix = split_layer_name(name)
     if layer is None:
         raise KeyError(f"unknown megatron parameter {name!r}")
-    p = f"model.layers.{layer + layer_offset}."
+    p = f"model.layers.{layer}."
     if suffix in _LAYER_ONE_TO_ONE:
         return [(p + _LAYER_ONE_TO_ONE[suffix], full_tensor)]
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -163,13 +139,6 @@ def hf_names_for(name: str, cfg: ModelConfig) -> list[str]:
     raise KeyError(f"unknown megatron parameter {name!r}")
 
 
-def pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """First `rows` rows of `t`, zero-padded when `t` has fewer."""
-    if t.shape[0] >= rows:
-        return t[:rows]
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])], dim=0)
-
-
 def hf_to_megatron(name: str, hf_tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_size: int = 1
                    ) -> torch.Tensor:
     """FULL megatron tensor `name` from the HF tensors listed by `hf_names_for(name, cfg)`; the vocabulary
@@ -181,62 +150,11 @@ def hf_to_megatron(name: str, hf_tensors: Mapping[str, torch.Tensor], cfg: Model
         return pad_vocab(srcs[0][: cfg.vocab_size], rows)
     _, suffix = split_layer_name(name)
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        return interleave_qkv(*srcs, *_qkv_dims(cfg))
+        q, k, v = srcs
+        return interleave_qkv(q, k, v, *_qkv_dims(cfg))
     if suffix == "mlp.linear_fc1.weight":
         return torch.cat(srcs, dim=0)
     return srcs[0]
-
-
-# ---------------------------------------------------------------- TP split / merge
-def _tp_kind(name: str) -> str:
-    name = canonical_name(name)
-    if name in (EMBEDDING, OUTPUT):
-        return "vocab"
-    if name == FINAL_NORM:
-        return "replicated"
-    _, suffix = split_layer_name(name)
-    if suffix == "mlp.linear_fc1.weight":
-        return "swiglu"
-    if suffix in COLUMN_PARALLEL:
-        return "column"
-    if suffix in ROW_PARALLEL:
-        return "row"
-    if suffix in REPLICATED:
-        return "replicated"
-    raise KeyError(f"unknown megatron parameter {name!r}")
-
-
-def split_for_tp(name: str, full_tensor: torch.Tensor, tp_size: int, cfg: ModelConfig) -> list[torch.Tensor]:
-    """Per-TP-rank shards (index = TP rank) of a FULL megatron tensor, as megatron's TP layers hold them."""
-    kind = _tp_kind(name)
-    if kind == "replicated" or (tp_size == 1 and kind != "vocab"):
-        return [full_tensor] * tp_size
-    if kind == "vocab":
-        rows = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp_size)
-        return list(torch.chunk(pad_vocab(full_tensor[: cfg.vocab_size], rows), tp_size, dim=0))
-    if kind == "column":
-        if cfg.num_query_groups % tp_size:
-            raise UnsupportedArchitectureError(
-                f"TP={tp_size} does not divide the {cfg.num_query_groups} KV heads (query groups)")
-        return list(torch.chunk(full_tensor, tp_size, dim=0))  # whole groups per rank, already interleaved
-    if kind == "swiglu":
-        gate, up = torch.chunk(full_tensor, 2, dim=0)
-        pairs = zip(torch.chunk(gate, tp_size), torch.chunk(up, tp_size), strict=True)
-        return [torch.cat([g, u], dim=0) for g, u in pairs]
-    return list(torch.chunk(full_tensor, tp_size, dim=1))  # row
-
-
-def merge_from_tp(name: str, shards: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    """Inverse of `split_for_tp`: the FULL megatron tensor (vocabulary padding kept) from per-rank shards."""
-    kind = _tp_kind(name)
-    if kind == "replicated" or len(shards) == 1:
-        return shards[0]
-    if kind in ("vocab", "column"):
-        return torch.cat(shards, dim=0)
-    if kind == "swiglu":
-        halves = [torch.chunk(s, 2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=1)
 
 
 def megatron_shape(name: str, cfg: ModelConfig, tp_size: int = 1) -> tuple[int, ...]:

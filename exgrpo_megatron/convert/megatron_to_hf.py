@@ -18,13 +18,14 @@ from exgrpo_megatron.convert.hf_config import (
     load_model_config,
 )
 from exgrpo_megatron.convert.hf_io import ShardedSafetensorsWriter, copy_tokenizer_files
-from exgrpo_megatron.convert.hf_mapping import megatron_param_names, megatron_shape, megatron_to_hf, split_layer_name
+from exgrpo_megatron.convert.hf_mapping import megatron_param_names, megatron_shape, megatron_to_hf
 from exgrpo_megatron.convert.hf_tokenizer import (
     RUN_TOKENIZER_CHAR,
     has_tokenizer,
     save_char_tokenizer,
     special_token_ids,
 )
+from exgrpo_megatron.model.param_layout import VOCAB_PARALLEL, split_layer_name
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 LATEST_FILE = "latest"
@@ -63,7 +64,7 @@ def check_shapes(reader: DistCheckpointReader, cfg: ModelConfig) -> None:
             stored_layers, stored = stored[0], stored[1:]
             if stored_layers != cfg.num_layers:
                 raise ValueError(f"{key}: checkpoint has {stored_layers} layers, model_config says {cfg.num_layers}")
-        if split_layer_name(name)[0] is None and name.endswith(("word_embeddings.weight", "output_layer.weight")):
+        if name in VOCAB_PARALLEL:
             ok = stored[1:] == expected[1:] and stored[0] >= cfg.vocab_size
         else:
             ok = stored == expected
@@ -102,8 +103,7 @@ def convert_megatron_to_hf(ckpt_path: str, out_dir: str, dtype: str = "bf16", to
             key, layer = sharded_key(name)
             size = tuple(reader.tensor_meta(key).size)
             if layer is None:
-                is_vocab = name.endswith(("word_embeddings.weight", "output_layer.weight"))
-                shape = (cfg.vocab_size, *size[1:]) if is_vocab else size
+                shape = (cfg.vocab_size, *size[1:]) if name in VOCAB_PARALLEL else size
                 requests.append((key, (0,) * len(size), shape))
             else:
                 requests.append((key, (layer,) + (0,) * (len(size) - 1), (1, *size[1:])))

@@ -40,7 +40,8 @@ def build_rollout_engine(
     vocab_size: int | None = None,
     weights_version: Callable[[], int] | None = None,
 ) -> RolloutEngine:
-    """`kind` megatron | vllm. `model`: this rank's (unwrapped or DDP) GPT module of stage 0's chunk;
+    """`kind` megatron | vllm. `model`: this rank's (unwrapped or DDP) GPT module, or its list of model
+    chunks (one per virtual pipeline stage; the megatron engine takes one, vLLM refits from all);
     `max_model_len`: prompt + response tokens (used where `vllm.max_model_len` is None);
     `vocab_size`: ids the megatron engine may sample (default: the model's); `weights_version`: the
     policy's version counter (vLLM refits before generating when it changed; None: fixed weights).
@@ -58,7 +59,7 @@ def build_rollout_engine(
         raise ImportError(f"rollout.engine=vllm: vLLM is not installed; install it with {VLLM_INSTALL_HINT}")
     from exgrpo_megatron.rollout.vllm_engine import VLLMRolloutEngine
 
-    policy_dtype = next(model.parameters()).dtype
+    policy_dtype = next((model[0] if isinstance(model, list) else model).parameters()).dtype
     return VLLMRolloutEngine(
         model, model_cfg, hf_dir,
         gpu_memory_utilization=vllm.gpu_memory_utilization,

@@ -49,7 +49,6 @@ from typing import Any
 import torch.distributed as dist
 
 from exgrpo_megatron.convert.hf_tokenizer import has_tokenizer
-from exgrpo_megatron.rollout.megatron_engine import unwrap_model
 from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
 from exgrpo_megatron.rollout.sampling import row_seed
 from exgrpo_megatron.rollout.types import FinishReason, PromptsDone, Sample, SamplingParams, request_seeds_for
@@ -92,7 +91,7 @@ class VLLMRolloutEngine:
         from megatron.core import parallel_state as ps
         from vllm import LLM
 
-        self.model = unwrap_model(model)
+        self.model_chunks = list(model) if isinstance(model, (list, tuple)) else [model]  # refit reads all chunks
         self.model_cfg = model_cfg
         self.bucket_bytes = refit_bucket_mb * 1024 * 1024
         self.sleep_level = sleep_level
@@ -147,7 +146,7 @@ class VLLMRolloutEngine:
         version = self.weights_version()
         if self._asleep:
             self.llm.wake_up(tags=["weights"])  # refit before re-allocating the KV cache
-        weights = (pair for bucket in iter_hf_weight_buckets(self.model, self.model_cfg, self.bucket_bytes)
+        weights = (pair for bucket in iter_hf_weight_buckets(self.model_chunks, self.model_cfg, self.bucket_bytes)
                    for pair in bucket)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if self._asleep:
