@@ -1,8 +1,9 @@
 """Everything around the step: resume, checkpoint, metrics/progress, validation, preemption.
 
-State that a checkpoint must carry to continue *exactly*: step, the mixed-mode switch, whether the
-pool has collected yet, the prompt sampler's epoch/position, consecutive skipped updates, the pool
-shards, model + optimizer + LR schedule, and every RNG (checkpoint/ saves the last two groups).
+State that a checkpoint must carry to continue *exactly*: step, the experience schedule's phase, the prompt
+sampler's epoch/position, consecutive skipped updates, the pool shards, model + optimizer + LR schedule, and
+every RNG (checkpoint/ saves the last two groups). Checkpoints from before the schedule (a delayed-start
+"switch" and "collected_once") resume through `experience.schedule.legacy_state`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from exgrpo_megatron.checkpoint import (
 from exgrpo_megatron.components import Components
 from exgrpo_megatron.config.loader import to_yaml
 from exgrpo_megatron.evaluation_loop import validate_accuracy
+from exgrpo_megatron.experience.schedule import legacy_state
 from exgrpo_megatron.logging import MetricsLogger, ProgressBar, save_resolved_config
 from exgrpo_megatron.policy.warm_start import warm_start_weights
 
@@ -30,7 +32,6 @@ from exgrpo_megatron.policy.warm_start import warm_start_weights
 class RunState:
     c: Components
     step: int = 0
-    collected_once: bool = False
     consecutive_skips: int = 0
     logger: MetricsLogger | None = None
     progress: ProgressBar | None = None
@@ -62,9 +63,8 @@ class RunState:
 
     # ------------------------------------------------------------------ checkpoint
     def trainer_state(self) -> dict:
-        return {"step": self.step, "collected_once": self.collected_once,
-                "consecutive_skips": self.consecutive_skips, "switch": self.c.switch.state_dict(),
-                "sampler": self.c.sampler.state_dict()}
+        return {"step": self.step, "consecutive_skips": self.consecutive_skips,
+                "schedule": self.c.schedule.state_dict(), "sampler": self.c.sampler.state_dict()}
 
     def save(self, step: int) -> None:
         if step == self.last_saved:
@@ -87,9 +87,9 @@ class RunState:
         c = self.c
         ts = loaded.trainer_state
         self.step = self.last_saved = int(ts["step"])
-        self.collected_once = bool(ts["collected_once"])
         self.consecutive_skips = int(ts["consecutive_skips"])
-        c.switch.load_state_dict(ts["switch"])
+        schedule = ts["schedule"] if "schedule" in ts else legacy_state(ts["switch"], bool(ts["collected_once"]))
+        c.schedule.load_state_dict(schedule)
         c.sampler.load_state_dict(ts["sampler"])
         if c.pool is not None and loaded.pool_shards:
             states = [{"arrays": arrays, "meta": meta} for arrays, meta in loaded.pool_shards]

@@ -290,7 +290,7 @@ def _step_lines(cfg: RootConfig, world_size: int) -> list[str]:
         f" per update and DP rank {seqs_per_update_rank} sequences in >= "
         f"{math.ceil(seqs_per_update_rank / seqs_per_micro)} micro-batch(es) of <= {t.micro_batch_max_tokens} tokens",
     ]
-    if t.experience:
+    if cfg.algo.name != "grpo":
         n_exp = int(t.train_batch_size * t.experience_ratio)
         start = (f"once batch pass rate > {t.experience_start_sratio}" if t.experience_start_sratio > 0
                  else "from step 1 (delayed start disabled)")

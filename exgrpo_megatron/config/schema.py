@@ -85,6 +85,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
+    name: str = "exgrpo"  # exgrpo | grpo (on-policy: no experience pool); algo/algorithm.py ALGORITHMS
     adv_std_normalize: bool = False  # Dr.GRPO: no std division
     clip_ratio: float = 0.2  # PPO clip on fresh tokens during warm-up
     shaping_beta: float = 0.1  # f(w) = w / (w + beta) on replayed tokens
@@ -107,7 +108,6 @@ class TrainerConfig:
     sequence_packing: bool = True  # pack rows into one [1, tokens] sequence (THD) instead of right-padding
     fused_output_logprobs: bool = True  # output layer fused into the chunked log-prob/entropy (no [T, V] logits)
     train_threads: int = 0  # policy forward/backward threads; 0 = cores // ranks on the node (distributed/threads.py)
-    experience: bool = True  # false = on-policy GRPO
     experience_ratio: float = 0.5  # rho
     experience_start_sratio: float = 0.35  # delayed start; <= 0 means from step 1
     experience_lbound: int = 0

@@ -21,7 +21,7 @@ import torch
 
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.policy.policy import Policy
-from exgrpo_megatron.policy.train_batch import RolloutBatch, token_stats
+from exgrpo_megatron.policy.train_batch import TrainBatch, token_stats
 
 OLD_LOGPROB_MODES = ("auto", "recompute", "rollout")
 
@@ -58,14 +58,14 @@ def resolve_old_logprobs_for(cfg: RootConfig) -> str:
     return resolve_old_logprobs(cfg.algo.old_logprobs, r.engine, dtype, r.top_p, r.top_k)
 
 
-def replay_current_logprobs(groups, batch: RolloutBatch) -> list[np.ndarray | None]:
+def replay_current_logprobs(groups, batch: TrainBatch) -> list[np.ndarray | None]:
     """Per row: the selection pass's current-policy log-probs of a replayed row (None for fresh rows and for
     replays that were not scored). `groups` are this rank's QuestionGroups, in batch.group_index order."""
     return [groups[g].replay_current_logprobs if rep else None
             for g, rep in zip(batch.group_index, batch.is_replay, strict=True)]
 
 
-def old_logprobs(policy: Policy, batch: RolloutBatch, replay_current: list[np.ndarray | None], source: str, *,
+def old_logprobs(policy: Policy, batch: TrainBatch, replay_current: list[np.ndarray | None], source: str, *,
                  temperature: float, max_tokens: int) -> tuple[list[torch.Tensor], int]:
     """(pi_old per row, number of rows that needed a forward pass here).
 
