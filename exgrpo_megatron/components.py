@@ -45,8 +45,8 @@ def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset
     if d.source == "arithmetic":
         splits = arithmetic_split_datasets(d, cfg.seed, tokenizer)
         return splits["train"], splits["val"]
-    kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer, template=d.template,
-              max_prompt_length=d.max_prompt_length)
+    kw: dict[str, Any] = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
+                              template=d.template, max_prompt_length=d.max_prompt_length)
     train = cached_prompt_dataset(d.train_files, cache_dir=d.token_cache_dir, **kw)
     val = cached_prompt_dataset(d.val_files, cache_dir=d.token_cache_dir, **kw) if d.val_files else None
     return train, val

@@ -98,7 +98,8 @@ class RunState:
             print(f"exgrpo-train: resumed from {loaded.path} at step {self.step}", file=sys.stderr)
 
     # ------------------------------------------------------------------ per step
-    def finish_step(self, step: int, metrics: dict) -> None:
+    def finish_step(self, step: int, metrics: dict[str, float | str]) -> None:
+        assert self.logger is not None and self.progress is not None, "RunState.start sets them"
         self.step = step
         metrics["optim/consecutive_skips"] = float(self.consecutive_skips)
         self.logger.log(step, metrics)
@@ -108,9 +109,10 @@ class RunState:
         c = self.c
         if c.val_data is None:
             return {}
-        return validate_accuracy(c, step)
+        return validate_accuracy(c, c.val_data, step)
 
     def preempted(self) -> bool:
+        assert self.preemption is not None, "RunState.start sets it"
         return self.preemption.should_stop()
 
     def report_done(self) -> None:

@@ -43,7 +43,7 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**31)
 
 
-def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
+def train_step(c: Components, state: RunState, step: int) -> dict[str, float | str]:
     phase = c.schedule.phase
     totals = StepTotals(c.dp_group)
     t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
     collect_into_pool(c, mine, samples, rewards, step)
     c.schedule.end_step(solved_fraction(batch.rewards, c.dp_group), step)
     t_end = time.perf_counter()
-    out = totals.finish(c.algorithm.step_metrics)
+    out: dict[str, float | str] = dict(totals.finish(c.algorithm.step_metrics))
     out.update({
         "phase": "warmup" if phase is Phase.WARMUP else "mixed",
         "experience/n_replayed": float(sum(g.replay is not None for g in groups)),
@@ -73,7 +73,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
         "old_logprobs/forward_rows": float(totals.all_reduce_dp(torch.tensor([float(forward_rows)]))[0]),
         "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
     })
-    out["throughput/tokens_per_s"] = out.pop("tokens/total", 0.0) / max(out["time/step"], 1e-9)
+    out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(t_end - t0, 1e-9)
     if c.pool is not None:
         out.update(c.pool.stats())
     return out

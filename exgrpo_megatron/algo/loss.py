@@ -53,7 +53,7 @@ only shapes the ratio (paper Tab. 6, "w/o IS correction").
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -231,7 +231,7 @@ def metric_reduce_op(key: str) -> str:
     return "max" if key.endswith("_max") else "sum"
 
 
-def summarize_loss_metrics(reduced: dict[str, float | Tensor]) -> dict[str, float]:
+def summarize_loss_metrics(reduced: Mapping[str, float | Tensor]) -> dict[str, float]:
     """Means and fractions from metrics already reduced over micro-batches and DP ranks."""
     v = {k: float(x) for k, x in reduced.items()}
 

@@ -81,4 +81,4 @@ def solved_fraction(rewards: Sequence[float], dp_group: dist.ProcessGroup | None
     solved = torch.tensor([sum(rewards), float(len(rewards))], dtype=torch.float64)
     if dp_group is not None:
         dist.all_reduce(solved, group=dp_group)
-    return float(solved[0] / max(solved[1], 1.0))
+    return float(solved[0] / max(float(solved[1]), 1.0))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -150,7 +151,7 @@ def make_micro_batches(sequences: list[list[int]], prompt_lengths: list[int], ro
     return [collate(sequences, prompt_lengths, [rows[j] for j in mb], packed=packed) for mb in plan]
 
 
-def forward_inputs(mb: MicroBatch, causal_mask: bool) -> dict:
+def forward_inputs(mb: MicroBatch, causal_mask: bool) -> dict[str, Any]:
     """Keyword arguments of GPTModel.forward for one micro-batch: padded rows with positions 0..s-1 (and
     megatron's explicit causal mask when `causal_mask`), or the packed row as THD `PackedSeqParams` (per-sequence
     causal attention; RoPE positions restart at every cu_seqlens entry)."""

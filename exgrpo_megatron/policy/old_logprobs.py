@@ -16,10 +16,13 @@ Only replayed rows the selection did not score (a single stored candidate, metri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.data.step_plan import QuestionGroup
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.policy.train_batch import TrainBatch, token_stats
 
@@ -58,7 +61,7 @@ def resolve_old_logprobs_for(cfg: RootConfig) -> str:
     return resolve_old_logprobs(cfg.algo.old_logprobs, r.engine, dtype, r.top_p, r.top_k)
 
 
-def replay_current_logprobs(groups, batch: TrainBatch) -> list[np.ndarray | None]:
+def replay_current_logprobs(groups: Sequence[QuestionGroup], batch: TrainBatch) -> list[np.ndarray | None]:
     """Per row: the selection pass's current-policy log-probs of a replayed row (None for fresh rows and for
     replays that were not scored). `groups` are this rank's QuestionGroups, in batch.group_index order."""
     return [groups[g].replay_current_logprobs if rep else None

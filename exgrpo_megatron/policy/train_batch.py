@@ -70,6 +70,7 @@ def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list
     with `logprob_temperature`, also the log-probs at that temperature from the same logits."""
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     keys += ["logprobs_at"] if logprob_temperature is not None else []
+    got: dict[str, list[torch.Tensor]]
     if not sequences:
         got = {k: [] for k in keys}
     else:
