@@ -7,7 +7,7 @@ metrics the loss declares, and -- when experience is on -- the pool's knobs (`Ex
 start, question selection mu / sigma / bucket weights, the trajectory selection rule). `build_algorithm` is the one
 place those config values are read.
 
-Variants (`ALGORITHMS`): exgrpo = experience on; grpo = on-policy Dr.GRPO, the same object with experience off
+Variants (`registry.ALGORITHMS`): exgrpo = experience on; grpo = on-policy Dr.GRPO, the same object with experience off
 (no pool, so the schedule never leaves warm-up and the fresh tokens keep the clip for the whole run).
 """
 
@@ -25,10 +25,9 @@ from exgrpo_megatron.algo.loss import (
     select_behaviour_logprobs,
     summarize_loss_metrics,
 )
+from exgrpo_megatron.algo.registry import ALGORITHMS
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
 from exgrpo_megatron.experience.schedule import Phase
-
-ALGORITHMS: dict[str, bool] = {"exgrpo": True, "grpo": False}  # algo.name -> experience on
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from exgrpo_megatron.algo.registry import ALGORITHMS
 from exgrpo_megatron.config.schema import ModelConfig, RootConfig
 from exgrpo_megatron.model.builder import padded_vocab_size
 
@@ -290,7 +291,7 @@ def _step_lines(cfg: RootConfig, world_size: int) -> list[str]:
         f" per update and DP rank {seqs_per_update_rank} sequences in >= "
         f"{math.ceil(seqs_per_update_rank / seqs_per_micro)} micro-batch(es) of <= {t.micro_batch_max_tokens} tokens",
     ]
-    if cfg.algo.name != "grpo":
+    if ALGORITHMS.get(cfg.algo.name, False):
         n_exp = int(t.train_batch_size * t.experience_ratio)
         start = (f"once batch pass rate > {t.experience_start_sratio}" if t.experience_start_sratio > 0
                  else "from step 1 (delayed start disabled)")

@@ -8,6 +8,7 @@ of its domain gets that one error (the relations involving it are not reported o
 
 from __future__ import annotations
 
+from exgrpo_megatron.algo.registry import ALGORITHMS
 from exgrpo_megatron.config.domains import domain_errors, path_errors
 from exgrpo_megatron.config.schema import RootConfig
 
@@ -89,7 +90,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
         e.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     e.extend(vllm_config_errors(cfg))
 
-    _choice(e, "algo.name", a.name, ("exgrpo", "grpo"))
+    _choice(e, "algo.name", a.name, tuple(ALGORITHMS))
     _choice(e, "algo.loss_agg_mode", a.loss_agg_mode, ("token_sum_constant", "token_mean"))
     e.extend(_old_logprobs_errors(cfg))
     if a.clip_ratio <= 0:
