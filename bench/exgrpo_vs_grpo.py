@@ -36,7 +36,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
-ARMS: dict[str, list[str]] = {"exgrpo": [], "grpo": ["trainer.experience=false"]}
+ARMS: dict[str, list[str]] = {"exgrpo": [], "grpo": ["algo.name=grpo"]}
 # The paper's Tab. 6 / Tab. 3 ablations (ExGRPO arm, rho = 0.5 is the full method).
 ABLATIONS: dict[str, list[str]] = {
     "no_question_selection": ["trainer.exp_bucket_manager=uniform"],

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from exgrpo_megatron.algo.algorithm import Algorithm, ExperienceKnobs, build_algorithm
 from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
@@ -13,8 +15,8 @@ from exgrpo_megatron.data.synthetic import arithmetic_split_datasets
 from exgrpo_megatron.data.token_cache import cached_prompt_dataset
 from exgrpo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from exgrpo_megatron.distributed.runtime import ParallelLayout
+from exgrpo_megatron.experience.schedule import ExperienceSchedule
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
-from exgrpo_megatron.experience.switch import MixedModeSwitch
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.reward.grader import GraderPool
 from exgrpo_megatron.rollout.types import RolloutEngine
@@ -28,12 +30,14 @@ class Components:
     train_data: PromptDataset
     val_data: PromptDataset | None
     sampler: PromptSampler
-    pool: ShardedExperiencePool | None
-    switch: MixedModeSwitch
+    algorithm: Algorithm
+    pool: ShardedExperiencePool | None  # None: on-policy (algo.name=grpo)
+    schedule: ExperienceSchedule  # the phase: warm-up -> collecting -> mixed
     policy: Policy
     engine: RolloutEngine
     grader: GraderPool
     old_logprobs: str = "recompute"  # algo.old_logprobs resolved: recompute | rollout (policy/old_logprobs.py)
+    dp_group: Any = None  # the data-parallel gloo group (CPU collectives), None with one DP rank
 
 
 def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
@@ -41,8 +45,8 @@ def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset
     if d.source == "arithmetic":
         splits = arithmetic_split_datasets(d, cfg.seed, tokenizer)
         return splits["train"], splits["val"]
-    kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer, template=d.template,
-              max_prompt_length=d.max_prompt_length)
+    kw: dict[str, Any] = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, tokenizer=tokenizer,
+                              template=d.template, max_prompt_length=d.max_prompt_length)
     train = cached_prompt_dataset(d.train_files, cache_dir=d.token_cache_dir, **kw)
     val = cached_prompt_dataset(d.val_files, cache_dir=d.token_cache_dir, **kw) if d.val_files else None
     return train, val
@@ -60,15 +64,12 @@ def build_engine(cfg: RootConfig, policy: Policy, tokenizer: Tokenizer) -> Rollo
         max_batch_sequences=cfg.rollout.max_batch_sequences, weights_version=lambda: policy.weights_version)
 
 
-def build_pool(cfg: RootConfig, dp_group=None) -> ShardedExperiencePool:
-    """The experience pool with every ExGRPO selection knob from the config (the one place they are read):
-    question selection (exp_bucket_manager, exp_bucket_mu, exp_bucket_sigma), trajectory selection
-    (exp_metric, exp_select_mode), storage bounds and cap."""
-    t = cfg.trainer
+def build_pool(knobs: ExperienceKnobs, group_size: int, dp_group: Any = None) -> ShardedExperiencePool:
+    """The experience pool with the algorithm's selection knobs: question selection (bucket manager, mu, sigma),
+    trajectory selection (metric, select mode), storage bounds and cap."""
     return ShardedExperiencePool(
-        cfg.rollout.n, t.experience_lbound, t.experience_rbound, t.exp_max_trajectories_per_question,
-        t.exp_bucket_manager, t.exp_bucket_mu, t.exp_bucket_sigma, t.exp_metric, dp_group=dp_group,
-        select_mode=t.exp_select_mode)
+        group_size, knobs.lbound, knobs.rbound, knobs.max_trajectories_per_question, knobs.bucket_manager,
+        knobs.bucket_mu, knobs.bucket_sigma, knobs.metric, dp_group=dp_group, select_mode=knobs.select_mode)
 
 
 def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
@@ -79,14 +80,16 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
         raise ConfigError([f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
                            f"vocabulary ({tokenizer.vocab_size})"])
     train, val = build_datasets(cfg, tokenizer)
-    t = cfg.trainer
     dp_group = ps.get_data_parallel_group_gloo() if layout.dp_size > 1 else None
-    pool = build_pool(cfg, dp_group) if t.experience else None
+    algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    knobs = algorithm.experience
+    pool = build_pool(knobs, cfg.rollout.n, dp_group) if knobs is not None else None
+    schedule = ExperienceSchedule(knobs.start_sratio if knobs is not None else 0.0, enabled=knobs is not None)
     policy = Policy(cfg)
     return Components(
         cfg=cfg, layout=layout, tokenizer=tokenizer, train_data=train, val_data=val,
         sampler=PromptSampler(train.qids(), seed=cfg.seed, shuffle=cfg.data.shuffle),
-        pool=pool, switch=MixedModeSwitch(t.experience_start_sratio), policy=policy,
+        algorithm=algorithm, pool=pool, schedule=schedule, policy=policy,
         engine=build_engine(cfg, policy, tokenizer), grader=GraderPool.from_config(cfg.reward),
-        old_logprobs=resolve_old_logprobs_for(cfg),
+        old_logprobs=resolve_old_logprobs_for(cfg), dp_group=dp_group,
     )

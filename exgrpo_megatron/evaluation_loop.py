@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from exgrpo_megatron.components import Components
+from exgrpo_megatron.data.datasets import PromptDataset
 from exgrpo_megatron.data.step_plan import QuestionGroup, local_groups
 from exgrpo_megatron.data.tokenizer import Tokenizer
 from exgrpo_megatron.reward.grader import GraderPool
@@ -29,10 +30,9 @@ def validation_rewards(engine: RolloutEngine, grader: GraderPool, tokenizer: Tok
     return grading.result().rewards
 
 
-def validate_accuracy(c: Components, step: int) -> dict[str, float]:
+def validate_accuracy(c: Components, val_data: PromptDataset, step: int) -> dict[str, float]:
     cfg = c.cfg
-    qids = c.val_data.qids()
-    groups = [QuestionGroup(q, c.val_data[q].prompt_ids, c.val_data[q].answer) for q in qids]
+    groups = [QuestionGroup(q, val_data[q].prompt_ids, val_data[q].answer) for q in val_data.qids()]
     mine = local_groups(groups, c.layout.dp_rank, c.layout.dp_size)
     params = SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=cfg.rollout.val_temperature,
                             top_p=cfg.rollout.val_top_p, stop_strings=list(cfg.rollout.stop), seed=10_007 + step)
@@ -45,4 +45,4 @@ def validate_accuracy(c: Components, step: int) -> dict[str, float]:
         from megatron.core import parallel_state as ps
 
         dist.all_reduce(totals, group=ps.get_data_parallel_group_gloo())
-    return {f"val/avg@{cfg.trainer.val_n}": float(totals[0] / max(totals[1], 1.0))}
+    return {f"val/avg@{cfg.trainer.val_n}": float(totals[0] / max(float(totals[1]), 1.0))}

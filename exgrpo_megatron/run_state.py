@@ -1,8 +1,9 @@
 """Everything around the step: resume, checkpoint, metrics/progress, validation, preemption.
 
-State that a checkpoint must carry to continue *exactly*: step, the mixed-mode switch, whether the
-pool has collected yet, the prompt sampler's epoch/position, consecutive skipped updates, the pool
-shards, model + optimizer + LR schedule, and every RNG (checkpoint/ saves the last two groups).
+State that a checkpoint must carry to continue *exactly*: step, the experience schedule's phase, the prompt
+sampler's epoch/position, consecutive skipped updates, the pool shards, model + optimizer + LR schedule, and
+every RNG (checkpoint/ saves the last two groups). Checkpoints from before the schedule (a delayed-start
+"switch" and "collected_once") resume through `experience.schedule.legacy_state`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from exgrpo_megatron.checkpoint import (
 from exgrpo_megatron.components import Components
 from exgrpo_megatron.config.loader import to_yaml
 from exgrpo_megatron.evaluation_loop import validate_accuracy
+from exgrpo_megatron.experience.schedule import legacy_state
 from exgrpo_megatron.logging import MetricsLogger, ProgressBar, save_resolved_config
 from exgrpo_megatron.policy.warm_start import warm_start_weights
 
@@ -30,7 +32,6 @@ from exgrpo_megatron.policy.warm_start import warm_start_weights
 class RunState:
     c: Components
     step: int = 0
-    collected_once: bool = False
     consecutive_skips: int = 0
     logger: MetricsLogger | None = None
     progress: ProgressBar | None = None
@@ -62,9 +63,8 @@ class RunState:
 
     # ------------------------------------------------------------------ checkpoint
     def trainer_state(self) -> dict:
-        return {"step": self.step, "collected_once": self.collected_once,
-                "consecutive_skips": self.consecutive_skips, "switch": self.c.switch.state_dict(),
-                "sampler": self.c.sampler.state_dict()}
+        return {"step": self.step, "consecutive_skips": self.consecutive_skips,
+                "schedule": self.c.schedule.state_dict(), "sampler": self.c.sampler.state_dict()}
 
     def save(self, step: int) -> None:
         if step == self.last_saved:
@@ -87,9 +87,9 @@ class RunState:
         c = self.c
         ts = loaded.trainer_state
         self.step = self.last_saved = int(ts["step"])
-        self.collected_once = bool(ts["collected_once"])
         self.consecutive_skips = int(ts["consecutive_skips"])
-        c.switch.load_state_dict(ts["switch"])
+        schedule = ts["schedule"] if "schedule" in ts else legacy_state(ts["switch"], bool(ts["collected_once"]))
+        c.schedule.load_state_dict(schedule)
         c.sampler.load_state_dict(ts["sampler"])
         if c.pool is not None and loaded.pool_shards:
             states = [{"arrays": arrays, "meta": meta} for arrays, meta in loaded.pool_shards]
@@ -98,7 +98,8 @@ class RunState:
             print(f"exgrpo-train: resumed from {loaded.path} at step {self.step}", file=sys.stderr)
 
     # ------------------------------------------------------------------ per step
-    def finish_step(self, step: int, metrics: dict) -> None:
+    def finish_step(self, step: int, metrics: dict[str, float | str]) -> None:
+        assert self.logger is not None and self.progress is not None, "RunState.start sets them"
         self.step = step
         metrics["optim/consecutive_skips"] = float(self.consecutive_skips)
         self.logger.log(step, metrics)
@@ -108,9 +109,10 @@ class RunState:
         c = self.c
         if c.val_data is None:
             return {}
-        return validate_accuracy(c, step)
+        return validate_accuracy(c, c.val_data, step)
 
     def preempted(self) -> bool:
+        assert self.preemption is not None, "RunState.start sets it"
         return self.preemption.should_stop()
 
     def report_done(self) -> None:

@@ -1,31 +1,37 @@
-"""Per-step metrics, reduced over data-parallel ranks (each DP rank saw a share of the groups)."""
+"""Per-step metrics, reduced over data-parallel ranks (each DP rank saw a share of the groups).
+
+Metrics only report: nothing here steers the run (the phase is `experience.schedule`'s, fed by
+`schedule.solved_fraction`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.distributed.runtime import ParallelLayout
+from exgrpo_megatron.algo.loss import mult_prob_error_sums
 from exgrpo_megatron.policy.policy import UpdateResult
+from exgrpo_megatron.policy.train_batch import TrainBatch
 
 
-def mismatch_error(batch, old_logprobs: list[torch.Tensor]) -> tuple[float, float]:
-    """(sum, count) of exp(|logp_generation - logp_trainer|) over fresh response tokens: 1.0 when the
-    rollout engine and the trainer agree (NeMo-RL's token_mult_prob_error)."""
+def rollout_mismatch(batch: TrainBatch) -> tuple[float, float]:
+    """(sum, count) of exp(|logp_generation - logp_trainer|) over fresh response tokens, pi_old recomputed by the
+    trainer: 1.0 when the rollout engine and the trainer agree (`algo.loss.token_mult_prob_error`)."""
     total, count = 0.0, 0.0
-    for gen, old, rep in zip(batch.gen_logprobs, old_logprobs, batch.is_replay, strict=True):
+    for gen, old, rep in zip(batch.gen_logprobs, batch.old_logprobs, batch.is_replay, strict=True):
         if rep or gen.numel() == 0:
             continue
-        total += float(torch.exp((gen.double() - old.double()).abs()).sum())
-        count += gen.numel()
+        row_sum, row_count = mult_prob_error_sums(gen, old, torch.ones_like(gen, dtype=torch.bool))
+        total += float(row_sum)
+        count += float(row_count)
     return total, count
 
 
 def pop_mismatch(per_micro: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-    """(sum, count) of the loss's mismatch metrics (objective.exgrpo_loss_fn with generation log-probs), removed
-    from the micro-batch metrics; (0, 0) when the loss did not measure it."""
+    """(sum, count) of the loss's mismatch metrics (`Algorithm.loss` with measure_mismatch), removed from the
+    micro-batch metrics; (0, 0) when the loss did not measure it."""
     total, count = 0.0, 0.0
     for m in per_micro:
         total += float(m.pop("mismatch_sum", 0.0))
@@ -34,36 +40,31 @@ def pop_mismatch(per_micro: list[dict[str, torch.Tensor]]) -> tuple[float, float
 
 
 class StepTotals:
-    def __init__(self, layout: ParallelLayout):
-        self.layout = layout
+    def __init__(self, dp_group: Any = None):
+        self.dp_group = dp_group  # the data-parallel gloo group; None: one DP rank
         self.sums: dict[str, float] = {}
         self.maxes: dict[str, float] = {}
         self.loss_sums: dict[str, float] = {}
         self.loss_maxes: dict[str, float] = {}
         self.updates: list[UpdateResult] = []
 
-    def all_reduce_dp(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.layout.dp_size > 1:
-            from megatron.core import parallel_state as ps
-
-            dist.all_reduce(t, op=op, group=ps.get_data_parallel_group_gloo())
+    def all_reduce_dp(self, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.dp_group is not None:
+            dist.all_reduce(t, op=op, group=self.dp_group)
         return t
 
     def _add(self, **kv: float) -> None:
         for k, v in kv.items():
             self.sums[k] = self.sums.get(k, 0.0) + float(v)
 
-    def rewards(self, batch, groups, graded) -> float:
-        """Accumulate reward/length/token counts; returns the DP-global solved fraction."""
+    def add_rollouts(self, batch: TrainBatch, grader_deaths: int) -> None:
+        """Reward / length / token counts of this rank's rows."""
         fresh = [r for r, rep in zip(batch.rewards, batch.is_replay, strict=True) if not rep]
         replay = [r for r, rep in zip(batch.rewards, batch.is_replay, strict=True) if rep]
         lengths = batch.response_lengths
         self._add(reward_sum=sum(batch.rewards), reward_n=len(batch.rewards), fresh_sum=sum(fresh),
                   fresh_n=len(fresh), replay_sum=sum(replay), replay_n=len(replay), length_sum=sum(lengths),
-                  tokens=sum(len(s) for s in batch.sequences), grader_deaths=graded.n_worker_deaths)
-        solved = torch.tensor([sum(batch.rewards), float(len(batch.rewards))], dtype=torch.float64)
-        self.all_reduce_dp(solved)
-        return float(solved[0] / max(solved[1], 1.0))
+                  tokens=sum(len(s) for s in batch.sequences), grader_deaths=grader_deaths)
 
     def add_mismatch(self, total: float, count: float) -> None:
         self._add(mismatch_sum=total, mismatch_n=count)
@@ -79,7 +80,8 @@ class StepTotals:
     def add_update(self, update: UpdateResult) -> None:
         self.updates.append(update)
 
-    def finish(self, summarize: Callable[[dict], dict[str, float]]) -> dict[str, float]:
+    def finish(self, loss_metrics: Callable[[dict[str, float]], dict[str, float]]) -> dict[str, float]:
+        """The step's metrics; `loss_metrics` maps the DP-reduced loss metrics to the algorithm's declared ones."""
         keys = sorted(self.sums)
         sums = self.all_reduce_dp(torch.tensor([self.sums[k] for k in keys], dtype=torch.float64))
         s = dict(zip(keys, sums.tolist(), strict=True))
@@ -89,12 +91,11 @@ class StepTotals:
         lmax = self.all_reduce_dp(torch.tensor([self.loss_maxes[k] for k in mkeys] or [0.0], dtype=torch.float64),
                                   op=dist.ReduceOp.MAX)
         reduced = {**dict(zip(lkeys, lsum.tolist(), strict=False)), **dict(zip(mkeys, lmax.tolist(), strict=False))}
-        loss = summarize(reduced) if "pg_loss" in reduced else {}
 
         def mean(a: str, b: str) -> float:
             return s[a] / s[b] if s.get(b, 0.0) > 0 else 0.0
 
-        out = {
+        return {
             "reward/mean": mean("reward_sum", "reward_n"),
             "reward/fresh_mean": mean("fresh_sum", "fresh_n"),
             "reward/replay_mean": mean("replay_sum", "replay_n"),
@@ -102,17 +103,8 @@ class StepTotals:
             "mismatch/token_mult_prob_error": mean("mismatch_sum", "mismatch_n"),
             "reward/grader_worker_deaths": s.get("grader_deaths", 0.0),
             "tokens/total": s.get("tokens", 0.0),
-            "loss/policy": loss.get("pg_loss", 0.0),
-            "loss/entropy_bonus": loss.get("entropy_bonus", 0.0),
-            "entropy/mean": loss.get("entropy_mean", 0.0),
-            "replay/is_weight_mean": loss.get("replay_weight_mean", 0.0),
-            "replay/is_weight_max": loss.get("replay_weight_max", 0.0),
-            "replay/shaped_weight_mean": loss.get("replay_shaped_weight_mean", 0.0),
-            "replay/token_fraction": loss.get("replay_token_fraction", 0.0),
-            "loss/clip_fraction": loss.get("clip_fraction", 0.0),
-            "loss/approx_kl": loss.get("approx_kl", 0.0),
+            **loss_metrics(reduced),
             "grad_norm": max((u.grad_norm for u in self.updates), default=0.0),
             "lr": self.updates[-1].lr if self.updates else 0.0,
             "optim/skipped_updates": float(sum(u.skipped for u in self.updates)),
         }
-        return out

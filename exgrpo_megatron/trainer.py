@@ -1,64 +1,103 @@
 """The ExGRPO training loop: one function per step, reading like the diagram in docs.
 
-    compose batch -> generate (replays spliced) -> grade -> advantages -> pool update
-    -> old log-probs -> mini-batch updates -> (engine refit) -> log / validate / checkpoint
+    plan + draw (fresh prompts; replays chosen by the pool's scorer) -> generate (replays spliced; grading
+    streams alongside) -> grade -> assemble the batch (advantages, pi_old) -> update -> collect into the pool
+    (the schedule moves on) -> log
 
 Every rank runs this loop (SPMD). The step plan is identical on all ranks; each DP rank works on
-its share of the groups, and every TP/PP rank of a replica sees identical data.
+its share of the groups, and every TP/PP rank of a replica sees identical data. The phase (warm-up ->
+collecting -> mixed) is `c.schedule`'s; the algorithm (`c.algorithm`, `algo.name`) owns the loss.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from exgrpo_megatron.algo.loss import loss_normalisers, metric_reduce_op, summarize_loss_metrics
+from exgrpo_megatron.algo.loss import global_loss_counts
 from exgrpo_megatron.components import Components, build_components
 from exgrpo_megatron.config.schema import RootConfig
-from exgrpo_megatron.data.step_plan import compose_step, local_groups
+from exgrpo_megatron.data.step_plan import QuestionGroup, compose_step, local_groups
 from exgrpo_megatron.distributed.preemption import PreemptionHandler
 from exgrpo_megatron.distributed.runtime import init_distributed
+from exgrpo_megatron.experience.schedule import Phase, solved_fraction
 from exgrpo_megatron.experience.types import GroupOutcome
 from exgrpo_megatron.logging.startup import startup_block
-from exgrpo_megatron.policy.objective import exgrpo_loss_fn
+from exgrpo_megatron.policy.objective import rl_loss_fn
 from exgrpo_megatron.policy.old_logprobs import old_logprobs, replay_current_logprobs
 from exgrpo_megatron.policy.policy import updates_per_step
 from exgrpo_megatron.policy.scoring import make_scorer
-from exgrpo_megatron.policy.train_batch import (
-    build_rollout_batch,
-    micro_batches_for_update,
-)
+from exgrpo_megatron.policy.train_batch import TrainBatch, build_train_batch, micro_batches_for_update
 from exgrpo_megatron.reward.rollout_rewards import StreamingGrading, rewards_per_group
 from exgrpo_megatron.rollout.groups import generate_groups
-from exgrpo_megatron.rollout.types import SamplingParams
+from exgrpo_megatron.rollout.types import Sample, SamplingParams
 from exgrpo_megatron.run_state import RunState
-from exgrpo_megatron.step_metrics import StepTotals, mismatch_error, pop_mismatch
+from exgrpo_megatron.step_metrics import StepTotals, pop_mismatch, rollout_mismatch
 
 
 def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**31)
 
 
-def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
-    cfg, t, r, a = c.cfg, c.cfg.trainer, c.cfg.rollout, c.cfg.algo
-    totals = StepTotals(c.layout)
+def train_step(c: Components, state: RunState, step: int) -> dict[str, float | str]:
+    phase = c.schedule.phase
+    totals = StepTotals(c.dp_group)
     t0 = time.perf_counter()
-    # Without a pool (trainer.experience=false: on-policy GRPO) there is no mixed phase: the fresh tokens keep
-    # the PPO clip of the warm-up for the whole run, as the on-policy Dr.GRPO baseline does.
-    mixed_phase = c.switch.is_on and c.pool is not None
-    replay_on = mixed_phase and state.collected_once
-    reuse = c.old_logprobs == "rollout"  # the selection pass keeps the replays' pi_old (at the loss temperature)
-    scorer = make_scorer(c.policy, cfg.trainer.micro_batch_max_tokens, c.train_data,
-                         logprob_temperature=r.temperature if reuse else None)
-    # 1. compose the global batch; this rank takes its share
-    groups = compose_step(c.train_data, c.sampler, c.pool, replay_on=replay_on, batch_size=t.train_batch_size,
-                          experience_ratio=t.experience_ratio, step_seed=step_seed(cfg.seed, step), scorer=scorer)
+    groups = plan_step(c, step, phase)
     mine = local_groups(groups, c.layout.dp_rank, c.layout.dp_size)
-    # 2. generate K per fresh question, K-1 + the stored trajectory per experience question; each engine
-    #    batch's groups go to the grader pool as soon as they are done (graded while the next one generates)
+    samples, grading, t_refit = generate(c, mine, step)
+    t_gen = time.perf_counter()
+    graded = grading.result()  # time/reward: the grading not overlapped with generation
+    rewards = rewards_per_group(graded.rewards, samples)
+    t_rew = time.perf_counter()
+    batch = build_train_batch(samples, rewards, c.algorithm.adv_std_normalize)
+    totals.add_rollouts(batch, graded.n_worker_deaths)
+    forward_rows = set_old_logprobs(c, batch, mine, totals)
+    t_old = time.perf_counter()
+    state.consecutive_skips = update_policy(c, batch, len(mine), phase, totals, state.consecutive_skips)
+    t_train = time.perf_counter()
+    collect_into_pool(c, mine, samples, rewards, step)
+    c.schedule.end_step(solved_fraction(batch.rewards, c.dp_group), step)
+    t_end = time.perf_counter()
+    out: dict[str, float | str] = dict(totals.finish(c.algorithm.step_metrics))
+    out.update({
+        "phase": "warmup" if phase is Phase.WARMUP else "mixed",
+        "experience/n_replayed": float(sum(g.replay is not None for g in groups)),
+        "time/generate": t_gen - t0, "time/reward": t_rew - t_gen, "time/train": t_train - t_rew,
+        "time/step": t_end - t0, "reward/grader_timeouts": float(graded.n_timeouts_killed),
+        "time/old_logprobs": t_old - t_rew, "time/refit": t_refit,
+        "old_logprobs/forward_rows": float(totals.all_reduce_dp(torch.tensor([float(forward_rows)]))[0]),
+        "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
+    })
+    out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(t_end - t0, 1e-9)
+    if c.pool is not None:
+        out.update(c.pool.stats())
+    return out
+
+
+def plan_step(c: Components, step: int, phase: Phase) -> list[QuestionGroup]:
+    """The step's global batch of question groups (identical on every rank): fresh prompts and, in the mixed
+    phase, replayed questions whose trajectory the pool chose with the current policy's scores (the selection
+    pass keeps the replays' pi_old at the loss temperature when pi_old comes from the rollout)."""
+    cfg, t = c.cfg, c.cfg.trainer
+    reuse = c.old_logprobs == "rollout"
+    scorer = make_scorer(c.policy, t.micro_batch_max_tokens, c.train_data,
+                         logprob_temperature=cfg.rollout.temperature if reuse else None)
+    ratio = c.algorithm.experience.ratio if c.algorithm.experience is not None else 0.0
+    return compose_step(c.train_data, c.sampler, c.pool, replay_on=phase is Phase.MIXED,
+                        batch_size=t.train_batch_size, experience_ratio=ratio, step_seed=step_seed(cfg.seed, step),
+                        scorer=scorer)
+
+
+def generate(c: Components, mine: list[QuestionGroup], step: int) -> tuple[list[list[Sample]], StreamingGrading, float]:
+    """K samples per fresh question, K-1 + the stored trajectory per replayed one; each engine batch's groups go to
+    the grader pool as soon as they are done (graded while the next one generates). Returns the samples, the
+    grading under way and the seconds the engine spent refitting its weights (vLLM; part of time/generate)."""
+    cfg, r = c.cfg, c.cfg.rollout
     params = SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=r.temperature, top_p=r.top_p,
                             top_k=r.top_k, stop_strings=list(r.stop), seed=step_seed(cfg.seed, step))
     grading = StreamingGrading(c.grader, c.tokenizer, mine, cfg.reward.require_think)
@@ -66,73 +105,55 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float]:
     c.engine.wake()
     samples = generate_groups(c.engine, mine, r.n, params, on_chunk=grading.submit)
     c.engine.sleep()
-    t_gen = time.perf_counter()
-    t_refit = float(getattr(c.engine, "refit_seconds_total", 0.0)) - refit_before  # part of time/generate
-    # 3. collect the grades (time/reward: the part not overlapped with generation), advantages, pool update,
-    #    delayed-start switch
-    graded = grading.result()
-    rewards = rewards_per_group(graded.rewards, samples)
-    t_rew = time.perf_counter()
-    batch = build_rollout_batch(samples, rewards, a.adv_std_normalize)
-    solved = totals.rewards(batch, mine, graded)
-    if c.pool is not None:
-        c.pool.update(group_outcomes(mine, samples, rewards, step, collect=c.switch.is_on))
-        state.collected_once = state.collected_once or c.switch.is_on
-    c.switch.observe(solved, step)
-    # 4. old log-probs pi_old (algo.old_logprobs: recomputed, or the rollout's exact ones + the selection pass's for
-    #    replays); recorded behaviour log-probs on replayed rows. Mismatch: against the recompute, else measured on
-    #    the first update's forward (same weights) below.
-    rows = list(range(len(batch.sequences)))
-    old, old_forward_rows = old_logprobs(c.policy, batch, replay_current_logprobs(mine, batch), c.old_logprobs,
-                                         temperature=r.temperature, max_tokens=t.micro_batch_max_tokens)
-    behaviour = [g if (rep and a.exp_is_correct) else o
-                 for g, o, rep in zip(batch.gen_logprobs, old, batch.is_replay, strict=True)]
-    if not reuse:
-        totals.add_mismatch(*mismatch_error(batch, old))
-    t_old = time.perf_counter()
-    # 5. mini-batch updates (the paper: 2 per step)
+    return samples, grading, float(getattr(c.engine, "refit_seconds_total", 0.0)) - refit_before
+
+
+def set_old_logprobs(c: Components, batch: TrainBatch, mine: list[QuestionGroup], totals: StepTotals) -> int:
+    """pi_old of every row (algo.old_logprobs: recomputed, or the rollout's exact ones + the selection pass's for
+    replays) into `batch.old_logprobs`; returns the rows that needed a forward pass here. Mismatch: against the
+    recompute, else measured on the first update's forward (same weights)."""
+    batch.old_logprobs, forward_rows = old_logprobs(
+        c.policy, batch, replay_current_logprobs(mine, batch), c.old_logprobs,
+        temperature=c.cfg.rollout.temperature, max_tokens=c.cfg.trainer.micro_batch_max_tokens)
+    if c.old_logprobs != "rollout":
+        totals.add_mismatch(*rollout_mismatch(batch))
+    return forward_rows
+
+
+def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase, totals: StepTotals,
+                  consecutive_skips: int) -> int:
+    """The step's mini-batch updates (the paper: 2 per step), each over its share of the groups with normalisers
+    from its DP-global token and sequence counts. Returns the updated count of consecutive skipped updates."""
+    cfg, t = c.cfg, c.cfg.trainer
     c.policy.train()
-    n_updates = updates_per_step(cfg)
-    group_chunks = np.array_split(np.arange(len(mine)), n_updates)
-    for u, chunk in enumerate(group_chunks):
-        chunk_rows = [i for i in rows if batch.group_index[i] in set(chunk.tolist())]
-        tokens = float(sum(batch.response_lengths[i] for i in chunk_rows))
-        counts = totals.all_reduce_dp(torch.tensor([tokens, float(len(chunk_rows))], dtype=torch.float64))
-        pg_norm, ent_norm = loss_normalisers(float(counts[0]), float(counts[1]), a.loss_agg_mode,
-                                             cfg.data.max_response_length, a.loss_seqs_per_rank_ref)
-        mbs = micro_batches_for_update(batch, chunk_rows, old, behaviour, t.micro_batch_max_tokens,
-                                       packed=t.sequence_packing, with_generation_logprobs=reuse and u == 0)
-        loss_fn = exgrpo_loss_fn(mixed_phase=mixed_phase, temperature=r.temperature, clip_ratio=a.clip_ratio,
-                                 shaping_beta=a.shaping_beta, policy_shaping=a.policy_shaping,
-                                 entropy_coeff=a.entropy_coeff,
-                                 pg_normaliser=pg_norm, entropy_normaliser=ent_norm, vocab_size=cfg.model.vocab_size)
+    for u, chunk in enumerate(np.array_split(np.arange(n_groups), updates_per_step(cfg))):
+        rows = batch.rows_of_groups(set(chunk.tolist()))
+        counts = global_loss_counts([batch.response_lengths[i] for i in rows], c.dp_group)
+        mbs = micro_batches_for_update(batch, rows, t.micro_batch_max_tokens, packed=t.sequence_packing,
+                                       measure_mismatch=c.old_logprobs == "rollout" and u == 0)
+        loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=c.algorithm.normalisers(*counts),
+                             temperature=cfg.rollout.temperature, vocab_size=cfg.model.vocab_size)
         c.policy.zero_grad()
         metrics = c.policy.forward_backward(mbs, loss_fn) if mbs else []
         totals.add_mismatch(*pop_mismatch(metrics))
-        totals.add_loss_metrics(metrics, metric_reduce_op)
-        update = c.policy.optimizer_step(a.skip_grad_bound)
+        totals.add_loss_metrics(metrics, c.algorithm.metric_reduce_op)
+        update = c.policy.optimizer_step(cfg.algo.skip_grad_bound)
         totals.add_update(update)
-        state.consecutive_skips = state.consecutive_skips + 1 if update.skipped else 0
-    t_train = time.perf_counter()
-    out = totals.finish(summarize_loss_metrics)
-    out.update({
-        "phase": "mixed" if mixed_phase else "warmup",
-        "experience/n_replayed": float(sum(g.replay is not None for g in groups)),
-        "time/generate": t_gen - t0, "time/reward": t_rew - t_gen, "time/train": t_train - t_rew,
-        "time/step": t_train - t0, "reward/grader_timeouts": float(graded.n_timeouts_killed),
-        "time/old_logprobs": t_old - t_rew, "time/refit": t_refit,
-        "old_logprobs/forward_rows": float(totals.all_reduce_dp(torch.tensor([float(old_forward_rows)]))[0]),
-        "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
-    })
-    out["throughput/tokens_per_s"] = out.pop("tokens/total", 0.0) / max(out["time/step"], 1e-9)
+        consecutive_skips = consecutive_skips + 1 if update.skipped else 0
+    return consecutive_skips
+
+
+def collect_into_pool(c: Components, mine: list[QuestionGroup], samples: list[list[Sample]],
+                      rewards: list[list[float]], step: int) -> None:
+    """What the pool learns from this step's groups (nothing without a pool)."""
     if c.pool is not None:
-        out.update(c.pool.stats())
-    return out
+        c.pool.update(group_outcomes(mine, samples, rewards, step, collect=c.schedule.collects))
 
 
-def group_outcomes(groups, samples, rewards, step: int, collect: bool) -> list[GroupOutcome]:
-    """What the pool learns from each group: k correct of K; correct trajectories only once mixed
-    mode is on (the original collects nothing during warm-up), retirement (k == K) always."""
+def group_outcomes(groups: Sequence[QuestionGroup], samples: list[list[Sample]], rewards: list[list[float]],
+                   step: int, collect: bool) -> list[GroupOutcome]:
+    """What the pool learns from each group: k correct of K; correct trajectories only once the schedule
+    collects (the original collects nothing during warm-up), retirement (k == K) always."""
     out = []
     for g, group_samples, r in zip(groups, samples, rewards, strict=True):
         k = int(sum(x == 1.0 for x in r))

@@ -93,7 +93,7 @@ def random_batch(seed: int, b: int = 6, t: int = 9) -> dict:
 
 
 def run_loss(b: dict, mixed: bool, mode: str, coeff: float = 0.001, **overrides):
-    n_tok, n_seq = global_loss_counts(b["mask"])
+    n_tok, n_seq = global_loss_counts(b["mask"].sum(-1).tolist())
     pg_norm, ent_norm = loss_normalisers(n_tok, n_seq, mode, T_MAX)
     kw = dict(mixed_phase=mixed, clip_ratio=0.2, shaping_beta=0.1, entropy_coeff=coeff,
               pg_normaliser=pg_norm, entropy_normaliser=ent_norm)
@@ -194,8 +194,7 @@ def test_padding_values_outside_mask_are_harmless():
 
 
 def test_loss_normalisers_and_counts():
-    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
-    assert global_loss_counts(mask) == (5.0, 2.0)
+    assert global_loss_counts([2, 3]) == (5.0, 2.0)  # response lengths of the rows
     assert loss_normalisers(5, 2, "token_sum_constant", 8192) == (8192 * 2, 5)
     assert loss_normalisers(5, 2, "token_mean", 8192) == (5, 5)
     assert loss_normalisers(0, 0, "token_mean", 8192) == (1, 1)
@@ -256,7 +255,7 @@ def accumulated_grad(p: dict, rows: torch.Tensor, n_micro: int, mixed: bool, nor
 @pytest.mark.parametrize("mixed", [False, True])
 def test_gradient_equal_for_1_and_4_micro_batches(mode, mixed):
     p = linear_problem()
-    norms = loss_normalisers(*global_loss_counts(p["mask"]), mode, T_MAX)
+    norms = loss_normalisers(*global_loss_counts(p["mask"].sum(-1).tolist()), mode, T_MAX)
     rows = torch.arange(p["x"].shape[0])
     loss_1, grad_1 = accumulated_grad(p, rows, 1, mixed, norms)
     loss_4, grad_4 = accumulated_grad(p, rows, 4, mixed, norms)
@@ -267,7 +266,7 @@ def test_gradient_equal_for_1_and_4_micro_batches(mode, mixed):
     if mode == "token_mean":
         w = p["w"].clone().requires_grad_(True)
         for chunk in torch.tensor_split(rows, 4):
-            local = loss_normalisers(*global_loss_counts(p["mask"][chunk]), mode, T_MAX)
+            local = loss_normalisers(*global_loss_counts(p["mask"][chunk].sum(-1).tolist()), mode, T_MAX)
             (micro_batch_loss(p, w, chunk, mixed, local) / 4).backward()
         assert not torch.allclose(w.grad, grad_1, rtol=1e-6)
 
@@ -283,7 +282,7 @@ def _dp2_worker(p: dict, modes: list[str]) -> dict:
     rows = torch.arange(p["x"].shape[0])[layout.dp_rank::layout.dp_size]  # uneven token counts per rank
     out = {"dp_size": layout.dp_size}
     for mode in modes:
-        norms = loss_normalisers(*global_loss_counts(p["mask"][rows], dp_group), mode, T_MAX)
+        norms = loss_normalisers(*global_loss_counts(p["mask"][rows].sum(-1).tolist(), dp_group), mode, T_MAX)
         loss, grad = accumulated_grad(p, rows, 2, True, norms)
         grad = grad.clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=dp_group)  # sum, not average, over DP
@@ -297,7 +296,7 @@ def test_gradient_equal_for_dp1_and_dp2():
     results = run_on_ranks(_dp2_worker, world_size=2, args=(p, modes))
     assert [r["dp_size"] for r in results] == [2, 2]
     for mode in modes:
-        norms = loss_normalisers(*global_loss_counts(p["mask"]), mode, T_MAX)
+        norms = loss_normalisers(*global_loss_counts(p["mask"].sum(-1).tolist()), mode, T_MAX)
         full_loss, full_grad = accumulated_grad(p, torch.arange(p["x"].shape[0]), 1, True, norms)
         assert sum(r[mode][0] for r in results) == pytest.approx(full_loss, rel=1e-12)
         for r in results:

@@ -13,13 +13,15 @@ import torch
 
 from exgrpo_megatron.experience import (
     CandidateScores,
+    ExperienceSchedule,
     ExperienceShard,
     GroupOutcome,
     IndexedBuckets,
-    MixedModeSwitch,
+    Phase,
     ShardedExperiencePool,
     bucket_probabilities,
     draw_bucket_counts,
+    legacy_state,
     mean_token_entropy,
     mean_token_nll,
     owner_rank,
@@ -191,13 +193,30 @@ def test_duplicates_skipped_and_cap_evicts_oldest():
     assert capped.stats()["experience/stored_tokens"] == 4
 
 
-def test_mixed_mode_switch_rules():
-    switch = MixedModeSwitch(0.35)
-    assert [switch.observe(f) for f in (0.1, 0.35, 0.36, 0.0)] == [False, False, True, True]
-    restored = MixedModeSwitch(0.35)
-    restored.load_state_dict(switch.state_dict())
-    assert restored.is_on
-    assert MixedModeSwitch(0.0).is_on and MixedModeSwitch(-1).observe(0.0)
+def test_schedule_phases():
+    """warm-up until a step's solved fraction exceeds the start ratio, then one collecting step (the pool is still
+    empty), then mixed for good; <= 0 starts collecting at step 1; without a pool it never leaves warm-up."""
+    W, C, M = Phase.WARMUP, Phase.COLLECTING, Phase.MIXED
+    schedule = ExperienceSchedule(0.35)
+    assert schedule.phase is W and not schedule.collects and not schedule.replays
+    assert [schedule.end_step(f, s) for s, f in enumerate((0.1, 0.35, 0.36, 0.0, 0.9), start=1)] == [W, W, C, M, M]
+    assert schedule.switched_at_step == 3 and schedule.collects and schedule.replays
+    restored = ExperienceSchedule(0.35)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.phase is M and restored.switched_at_step == 3
+    assert ExperienceSchedule(0.0).phase is C and ExperienceSchedule(-1).end_step(0.0, 1) is M
+    off = ExperienceSchedule(0.0, enabled=False)
+    assert off.phase is W and off.end_step(1.0, 1) is W
+
+
+@pytest.mark.parametrize("is_on,collected_once,phase", [(False, False, Phase.WARMUP), (True, False, Phase.COLLECTING),
+                                                        (True, True, Phase.MIXED)])
+def test_schedule_resumes_pre_schedule_checkpoints(is_on, collected_once, phase):
+    """A trainer state written before the schedule (a delayed-start switch + collected_once) maps to its phase."""
+    schedule = ExperienceSchedule(0.35)
+    switch = {"start_sratio": 0.35, "is_on": is_on, "switched_at_step": 4 if is_on else None}
+    schedule.load_state_dict(legacy_state(switch, collected_once))
+    assert schedule.phase is phase and schedule.switched_at_step == switch["switched_at_step"]
 
 
 # ---------------------------------------------------------------- selection

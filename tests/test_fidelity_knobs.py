@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from exgrpo_megatron.algo.algorithm import build_algorithm
 from exgrpo_megatron.algo.loss import exgrpo_loss, select_behaviour_logprobs
 from exgrpo_megatron.components import build_pool
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import config_errors
-from exgrpo_megatron.data.step_plan import num_experience_questions
+from exgrpo_megatron.data.step_plan import experience_quota
 from exgrpo_megatron.experience import CandidateScores, GroupOutcome, ShardedExperiencePool
 
 K = 8
@@ -33,7 +34,10 @@ def gaussian_rates(mu: float, sigma: float, buckets=range(1, K)) -> dict[int, fl
 
 def filled_pool(cfg_overrides: list[str], trajectories_per_question: int = 1) -> ShardedExperiencePool:
     """A pool built from the fidelity preset's config, with QUESTIONS_PER_BUCKET questions in each bucket 1..7."""
-    pool = build_pool(load_config("fidelity_cpu", cfg_overrides))
+    cfg = load_config("fidelity_cpu", cfg_overrides)
+    knobs = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length).experience
+    assert knobs is not None
+    pool = build_pool(knobs, cfg.rollout.n)
     outcomes = []
     for k in range(1, K):
         for j in range(QUESTIONS_PER_BUCKET):
@@ -127,9 +131,11 @@ def test_is_correction_switch_picks_recorded_or_current_old_logprobs():
 @pytest.mark.parametrize("rho,expected", [(0.25, 16), (0.5, 32), (0.75, 48)])
 def test_rho_sets_the_replayed_share_of_the_batch(rho, expected):
     cfg = load_config("fidelity_cpu", [f"trainer.experience_ratio={rho}"])
-    assert num_experience_questions(cfg.trainer.train_batch_size, cfg.trainer.experience_ratio, 10_000) == expected
+    quota = experience_quota(cfg.trainer.train_batch_size, cfg.trainer.experience_ratio)
+    assert quota == expected
     pool = filled_pool([f"trainer.experience_ratio={rho}"])
-    assert len(pool.sample(int(rho * cfg.trainer.train_batch_size), rng_seed=0)) == expected
+    assert len(pool.sample(quota, rng_seed=0)) == expected  # the pool holds more: n_exp = min(quota, |E|)
+    assert len(filled_pool([]).sample(10_000, rng_seed=0)) == 7 * QUESTIONS_PER_BUCKET
 
 
 def _bench_module():

@@ -131,11 +131,13 @@ def test_tp2_matches_tp1_and_reference():
 def _policy_run(model_name: str, tp: int) -> dict:
     """One policy; the same micro-batches through token_stats (old log-probs / scoring) and the ExGRPO loss with
     the fused output layer on and off. Returns per mode the stats, the loss and every parameter's gradient."""
+    from exgrpo_megatron.algo.algorithm import build_algorithm
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.distributed.runtime import init_distributed
-    from exgrpo_megatron.policy.objective import exgrpo_loss_fn
+    from exgrpo_megatron.experience.schedule import Phase
+    from exgrpo_megatron.policy.objective import rl_loss_fn
     from exgrpo_megatron.policy.policy import Policy
-    from exgrpo_megatron.policy.train_batch import RolloutBatch, micro_batches_for_update, token_stats
+    from exgrpo_megatron.policy.train_batch import TrainBatch, micro_batches_for_update, token_stats
     from tests.helpers.gather import full_tensors
 
     cfg = load_config("demo_cpu", [f"model={model_name}", "model.vocab_size=120",  # 8 padded vocabulary ids
@@ -146,7 +148,7 @@ def _policy_run(model_name: str, tp: int) -> dict:
     lengths, prompts = [14, 9, 17, 6, 11], [5, 3, 6, 2, 4]
     seqs = [torch.randint(0, 120, (n,), generator=g).tolist() for n in lengths]
     n_resp = [n - p for n, p in zip(lengths, prompts, strict=True)]
-    batch = RolloutBatch(seqs, prompts, [torch.randn(k, generator=g) - 2 for k in n_resp], [0.0] * 5,
+    batch = TrainBatch(seqs, prompts, [torch.randn(k, generator=g) - 2 for k in n_resp], [0.0] * 5,
                          torch.randn(5, generator=g).tolist(), [False, True, False, True, False], [0, 0, 1, 1, 2])
     out = {}
     output_layer_calls = []
@@ -159,10 +161,11 @@ def _policy_run(model_name: str, tp: int) -> dict:
         logp, ent, _ = token_stats(policy, seqs, prompts, temperature=0.7, with_entropy=True, max_tokens=40)
         old = [lp + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(i)) for i, lp in
                enumerate(logp)]
-        mbs = micro_batches_for_update(batch, list(range(5)), old, batch.gen_logprobs, max_tokens=40)
-        loss_fn = exgrpo_loss_fn(mixed_phase=True, temperature=0.7, clip_ratio=0.2, shaping_beta=0.1,
-                                 entropy_coeff=0.01, pg_normaliser=float(sum(n_resp)),
-                                 entropy_normaliser=float(sum(n_resp)), vocab_size=cfg.model.vocab_size)
+        batch.old_logprobs = old
+        mbs = micro_batches_for_update(batch, list(range(5)), max_tokens=40)
+        algorithm = build_algorithm(replace(cfg.algo, entropy_coeff=0.01), cfg.trainer, cfg.data.max_response_length)
+        loss_fn = rl_loss_fn(algorithm, phase=Phase.MIXED, normalisers=(float(sum(n_resp)), float(sum(n_resp))),
+                             temperature=0.7, vocab_size=cfg.model.vocab_size)
         policy.train()
         policy.zero_grad()
         metrics = policy.forward_backward(mbs, loss_fn)

@@ -61,7 +61,7 @@ def original_loss(b: dict, mixed: bool, micro_per_rank: int) -> torch.Tensor:
 
 def our_loss(b: dict, mixed: bool, dp: int, seqs_per_rank_ref: float) -> torch.Tensor:
     """Ours on `dp` ranks (each its contiguous share, global counts), summed over ranks as the gradients are."""
-    n_tok, n_seq = global_loss_counts(b["mask"])
+    n_tok, n_seq = global_loss_counts(b["mask"].sum(-1).tolist())
     pg_norm, ent_norm = loss_normalisers(n_tok, n_seq, "token_sum_constant", T_MAX, seqs_per_rank_ref)
     total = torch.zeros((), dtype=torch.float64)
     for rows in torch.tensor_split(torch.arange(b["mask"].shape[0]), dp):

@@ -2,7 +2,7 @@
 the switched-on paths give the same per-token values, loss and gradients as the switched-off ones.
 
 - planning / collation (pure): packed micro-batches hold every row once within the budget, with the same
-  tokens and per-token extras as the padded ones, and `scatter_rows` inverts both;
+  tokens and per-token values (`MicroBatch.place`) as the padded ones, and `scatter_rows` inverts both;
 - float64: the padded and the packed model forward both equal each sequence run on its own (the
   reference: no padding, no neighbours), logits and parameter gradients;
 - the production path (`Policy.forward_backward`, fp32): packed vs padded and sdpa vs megatron attention,
@@ -41,8 +41,9 @@ def test_packed_collate_places_rows_like_padded():
     per_token = {"adv": [torch.arange(len(s) - p, dtype=torch.float32) + 10 * i
                          for i, (s, p) in enumerate(zip(seqs, prompts, strict=True))]}
     rows = [4, 0, 6, 2]
-    padded = collate(seqs, prompts, rows, per_token)
-    packed = collate(seqs, prompts, rows, per_token, packed=True)
+    padded = collate(seqs, prompts, rows)
+    packed = collate(seqs, prompts, rows, packed=True)
+    padded_adv, packed_adv = padded.place(per_token["adv"]), packed.place(per_token["adv"])
     lengths = [len(seqs[i]) for i in rows]
     assert packed.tokens.shape == (1, sum(lengths)) and packed.padding_tokens == 0
     assert padded.padding_tokens == len(rows) * max(lengths) - sum(lengths)
@@ -52,12 +53,12 @@ def test_packed_collate_places_rows_like_padded():
         c = int(packed.cu_seqlens[b])
         assert torch.equal(packed.tokens[0, c:c + n], padded.tokens[b, :n])
         assert torch.equal(packed.loss_mask[0, c:c + n], padded.loss_mask[b, :n])
-        assert torch.equal(packed.extras["adv"][0, c:c + n], padded.extras["adv"][b, :n])
+        assert torch.equal(packed_adv[0, c:c + n], padded_adv[b, :n])
         assert torch.equal(packed.labels[0, c:c + n - 1], padded.labels[b, :n - 1])
     all_rows = list(range(len(seqs)))
     for flag in (False, True):
-        mbs = make_micro_batches(seqs, prompts, all_rows, 40, flag, per_token)
-        back = scatter_rows([mb.extras["adv"] for mb in mbs], mbs, [len(s) for s in seqs], prompts)
+        mbs = make_micro_batches(seqs, prompts, all_rows, 40, flag)
+        back = scatter_rows([mb.place(per_token["adv"]) for mb in mbs], mbs, [len(s) for s in seqs], prompts)
         assert all(torch.equal(b, a) for b, a in zip(back, per_token["adv"], strict=True))
 
 

@@ -190,15 +190,16 @@ def _train_recording_replay(overrides: list[str]) -> dict:
         return wrapper
 
     def loss_factory(original):
-        def factory(**kw):
-            inner = original(**kw)
+        def factory(algorithm, **kw):
+            inner = original(algorithm, **kw)
+            used = {"mixed_phase": not algorithm.clips(kw["phase"]), "shaping_beta": algorithm.shaping_beta,
+                    "pg_normaliser": kw["normalisers"][0]}
 
             def loss_fn(output, mb):
                 loss, metrics = inner(output, mb)
                 now["step"]["calls"].append({
-                    "kw": {k: kw[k] for k in ("mixed_phase", "shaping_beta", "pg_normaliser")}, "rows": list(mb.rows),
-                    "starts": [mb.row_start(b) for b in range(len(mb.rows))],
-                    "mask": mb.loss_mask.detach().clone(), "old": mb.extras["old_logprobs"].detach().clone(),
+                    "kw": used, "rows": list(mb.rows), "starts": [mb.row_start(b) for b in range(len(mb.rows))],
+                    "mask": mb.loss_mask.detach().clone(), "old": mb.loss_inputs.old_logprobs.detach().clone(),
                     "logp": _reference_logprobs(output, mb.labels, cfg.model.vocab_size, cfg.rollout.temperature),
                     "metrics": {k: float(v) for k, v in metrics.items()}})
                 return loss, metrics
@@ -206,7 +207,7 @@ def _train_recording_replay(overrides: list[str]) -> dict:
         return factory
 
     with (_spy(trainer, "train_step", train_step), _spy(trainer, "generate_groups", generate),
-          _spy(trainer, "build_rollout_batch", rollout_batch), _spy(trainer, "exgrpo_loss_fn", loss_factory)):
+          _spy(trainer, "build_train_batch", rollout_batch), _spy(trainer, "rl_loss_fn", loss_factory)):
         assert trainer.run_training(cfg) == 0
     return {"steps": steps, "metrics": _metrics(cfg.logging.run_dir)}
 
@@ -323,21 +324,21 @@ def _train_recording_loss_phase(overrides: list[str]) -> dict:
     phases: list[bool] = []
 
     def record(original):
-        def wrapper(**kw):
-            phases.append(kw["mixed_phase"])
-            return original(**kw)
+        def wrapper(algorithm, **kw):
+            phases.append(not algorithm.clips(kw["phase"]))
+            return original(algorithm, **kw)
         return wrapper
 
-    with _spy(trainer, "exgrpo_loss_fn", record):
+    with _spy(trainer, "rl_loss_fn", record):
         assert trainer.run_training(cfg) == 0
     return {"phases": phases, "metrics": _metrics(cfg.logging.run_dir)}
 
 
 def test_on_policy_grpo_keeps_the_warmup_clip(tmp_path, sft_dir):
-    """trainer.experience=false is on-policy GRPO: no pool and no mixed phase, so every update keeps the PPO clip,
+    """algo.name=grpo is on-policy GRPO: no pool and no mixed phase, so every update keeps the PPO clip,
     even with the delayed-start criterion met from step 1 (start_sratio=0 in _overrides)."""
     got = run_on_ranks(_train_recording_loss_phase, 1, args=(_replay_overrides(
-        str(tmp_path / "grpo"), sft_dir, ("trainer.experience=false", "trainer.total_steps=2", "optim.lr=1e-2",
+        str(tmp_path / "grpo"), sft_dir, ("algo.name=grpo", "trainer.total_steps=2", "optim.lr=1e-2",
                                           "optim.adam_eps=1e-8")),))[0]
     assert got["phases"] and not any(got["phases"])
     rows = got["metrics"]
@@ -389,12 +390,13 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
         return wrapper
 
     def micro_batches(original):
-        def wrapper(batch, rows, old, behaviour, max_tokens, **kw):
-            re = now["recomputed"]
-            re_behaviour = [b if rep else o for b, o, rep in zip(behaviour, re, batch.is_replay, strict=True)]
-            now["off"] = original(batch, rows, re, re_behaviour, max_tokens)
+        def wrapper(batch, rows, max_tokens, **kw):
+            old = batch.old_logprobs
+            batch.old_logprobs = now["recomputed"]  # the behaviour log-probs follow (the algorithm picks them)
+            now["off"] = original(batch, rows, max_tokens)
+            batch.old_logprobs = old
             now["replay_rows"] = sum(batch.is_replay[i] for i in rows)
-            return original(batch, rows, old, behaviour, max_tokens, **kw)
+            return original(batch, rows, max_tokens, **kw)
         return wrapper
 
     def spy_forward_backward(policy):

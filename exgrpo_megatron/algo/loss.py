@@ -53,6 +53,7 @@ only shapes the ratio (paper Tab. 6, "w/o IS correction").
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,20 +85,21 @@ def loss_normalisers(
     raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
-def global_loss_counts(response_mask: Tensor, dp_group: dist.ProcessGroup | None = None) -> tuple[float, float]:
-    """(valid tokens, sequences with >= 1 valid token) of this rank's mini-batch, summed over `dp_group`.
+def global_loss_counts(response_lengths: Sequence[int], dp_group: dist.ProcessGroup | None = None
+                       ) -> tuple[float, float]:
+    """(valid tokens, sequences) of this rank's mini-batch, summed over `dp_group`: the response lengths of its
+    rows (every row of a training batch has >= 1 response token: an engine emits at least the token that ends
+    the response, a stored trajectory is never empty).
 
     Call it on the whole mini-batch before micro-batching. `dp_group=None` means no reduction (one process);
-    under megatron pass `parallel_state.get_data_parallel_group()` (never the world group: TP/PP ranks of one
-    replica hold the same data).
+    under megatron pass the data-parallel group (never the world group: TP/PP ranks of one replica hold the
+    same data). The counts travel as a float64 CPU tensor (a gloo group).
     """
-    mask = response_mask.bool()
-    # On the mask's device, so the all-reduce also works on NCCL groups.
-    counts = torch.stack([mask.sum(), mask.reshape(mask.shape[0], -1).any(dim=1).sum()]).to(torch.float64)
+    counts = torch.tensor([float(sum(response_lengths)), float(len(response_lengths))], dtype=torch.float64)
     if dp_group is not None:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
     num_tokens, num_seqs = counts.tolist()
-    return num_tokens, num_seqs
+    return float(num_tokens), float(num_seqs)
 
 
 def select_behaviour_logprobs(
@@ -229,7 +231,7 @@ def metric_reduce_op(key: str) -> str:
     return "max" if key.endswith("_max") else "sum"
 
 
-def summarize_loss_metrics(reduced: dict[str, float | Tensor]) -> dict[str, float]:
+def summarize_loss_metrics(reduced: Mapping[str, float | Tensor]) -> dict[str, float]:
     """Means and fractions from metrics already reduced over micro-batches and DP ranks."""
     v = {k: float(x) for k, x in reduced.items()}
 
@@ -251,13 +253,20 @@ def summarize_loss_metrics(reduced: dict[str, float | Tensor]) -> dict[str, floa
     }
 
 
+def mult_prob_error_sums(generation_logprobs: Tensor, trainer_logprobs: Tensor, valid: Tensor
+                         ) -> tuple[Tensor, Tensor]:
+    """(sum, count) over the `valid` tokens of exp(|logp_generation - logp_trainer|), in float64: the terms of
+    `token_mult_prob_error`, to be summed over rows, micro-batches and ranks before dividing."""
+    mask = valid.bool()
+    err = torch.exp((generation_logprobs.double() - trainer_logprobs.double()).abs())
+    return err[mask].sum(), mask.sum().double()
+
+
 def token_mult_prob_error(generation_logprobs: Tensor, trainer_logprobs: Tensor, response_mask: Tensor) -> Tensor:
     """Mean over valid tokens of exp(|logp_generation - logp_trainer|): 1.0 when the rollout engine and the
     trainer agree exactly; a train/inference mismatch alarm (NeMo-RL's metric, anchors §C)."""
-    valid = response_mask.bool()
-    diff = torch.where(valid, (generation_logprobs - trainer_logprobs).abs(), torch.zeros_like(trainer_logprobs))
-    count = valid.sum().clamp(min=1)
-    return torch.where(valid, torch.exp(diff), torch.zeros_like(diff)).sum() / count
+    total, count = mult_prob_error_sums(generation_logprobs, trainer_logprobs, response_mask)
+    return total / count.clamp(min=1.0)
 
 
 def _per_token(x: Tensor, like: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from exgrpo_megatron.config.derived import padded_vocab_size
-from exgrpo_megatron.config.schema import ModelConfig, RootConfig
+from exgrpo_megatron.config.schema import ALGORITHMS, ModelConfig, RootConfig
 
 GIB = 1024**3
 GPU_MEMORY_GIB = 80.0  # one H100 80GB (the paper's hardware)
@@ -290,7 +290,7 @@ def _step_lines(cfg: RootConfig, world_size: int) -> list[str]:
         f" per update and DP rank {seqs_per_update_rank} sequences in >= "
         f"{math.ceil(seqs_per_update_rank / seqs_per_micro)} micro-batch(es) of <= {t.micro_batch_max_tokens} tokens",
     ]
-    if t.experience:
+    if ALGORITHMS.get(cfg.algo.name, False):
         n_exp = int(t.train_batch_size * t.experience_ratio)
         start = (f"once batch pass rate > {t.experience_start_sratio}" if t.experience_start_sratio > 0
                  else "from step 1 (delayed start disabled)")

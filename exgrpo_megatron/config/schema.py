@@ -87,6 +87,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
+    name: str = "exgrpo"  # exgrpo | grpo (on-policy: no experience pool); ALGORITHMS below
     adv_std_normalize: bool = False  # Dr.GRPO: no std division
     clip_ratio: float = 0.2  # PPO clip on fresh tokens during warm-up
     shaping_beta: float = 0.1  # f(w) = w / (w + beta) on replayed tokens
@@ -109,7 +110,6 @@ class TrainerConfig:
     sequence_packing: bool = True  # pack rows into one [1, tokens] sequence (THD) instead of right-padding
     fused_output_logprobs: bool = True  # output layer fused into the chunked log-prob/entropy (no [T, V] logits)
     train_threads: int = 0  # policy forward/backward threads; 0 = cores // ranks on the node (distributed/threads.py)
-    experience: bool = True  # false = on-policy GRPO
     experience_ratio: float = 0.5  # rho
     experience_start_sratio: float = 0.35  # delayed start; <= 0 means from step 1
     experience_lbound: int = 0
@@ -186,6 +186,10 @@ class RootConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
+# The algorithm variants `algo.name` selects -> whether the experience pool is on (algo/algorithm.py builds the
+# object): exgrpo; grpo = on-policy Dr.GRPO, the same algorithm with experience off.
+ALGORITHMS: dict[str, bool] = {"exgrpo": True, "grpo": False}
+
 # The allowed values of the string keys with a fixed set of values (the defaults above are among them).
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.family": ("qwen2", "llama"),
@@ -195,6 +199,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.lr_schedule": ("constant", "cosine", "linear"),
     "rollout.engine": ("megatron", "vllm"),
     "rollout.vllm.dtype": ("auto", "fp32", "bf16", "fp16"),
+    "algo.name": tuple(ALGORITHMS),
     "algo.loss_agg_mode": ("token_sum_constant", "token_mean"),
     "algo.old_logprobs": ("auto", "recompute", "rollout"),
     "trainer.exp_metric": ("ent", "ppl", "random"),

@@ -30,9 +30,10 @@ class QuestionGroup:
     replay_current_logprobs: np.ndarray | None = None  # its log-probs under the current policy (selection pass)
 
 
-def num_experience_questions(batch_size: int, experience_ratio: float, pool_questions: int) -> int:
-    """n_exp = min(floor(rho * B), |E|) (paper section 4.2)."""
-    return min(math.floor(experience_ratio * batch_size), pool_questions)
+def experience_quota(batch_size: int, experience_ratio: float) -> int:
+    """floor(rho * B): the experience questions a mixed step asks the pool for; the pool draws
+    n_exp = min(floor(rho * B), |E|) of them (paper section 4.2, `ShardedExperiencePool.sample`)."""
+    return math.floor(experience_ratio * batch_size)
 
 
 def compose_step(
@@ -48,7 +49,7 @@ def compose_step(
 ) -> list[QuestionGroup]:
     replays = []
     if pool is not None and replay_on:
-        replays = pool.sample(math.floor(experience_ratio * batch_size), step_seed, scorer)
+        replays = pool.sample(experience_quota(batch_size, experience_ratio), step_seed, scorer)
     skip = pool.retired_ids() if pool is not None else frozenset()
     fresh = sampler.draw(batch_size - len(replays), skip=skip)
     groups = [QuestionGroup(q, dataset[q].prompt_ids, dataset[q].answer) for q in fresh]

@@ -6,18 +6,19 @@ Typical use by the trainer (every rank, same order):
     from megatron.core import parallel_state as ps
     pool = ShardedExperiencePool(K, lbound, rbound, max_per_q, "normal", 0.5, 1.0, "ent",
                                  dp_group=ps.get_data_parallel_group_gloo())   # None in one process
-    switch = MixedModeSwitch(cfg.trainer.experience_start_sratio)
+    schedule = ExperienceSchedule(cfg.trainer.experience_start_sratio)   # warm-up -> collecting -> mixed
     replays = pool.sample(int(rho * B), rng_seed=seed * 1_000_003 + step, scorer=policy_scorer) \
-        if switch.is_on else []                       # identical list on every rank, sorted by qid
+        if schedule.replays else []                   # identical list on every rank, sorted by qid
     ... fresh prompts skip pool.retired_ids() ...
-    # collection only in mixed mode ([C] §1.2), retirement (k == K) from step 1 (§1.5):
-    pool.update(my_groups if switch.is_on else [g for g in my_groups if g.k_correct == K])
-    switch.observe(solved_fraction_of_the_step, step)
+    # collection once the schedule collects ([C] §1.2), retirement (k == K) from step 1 (§1.5):
+    pool.update(my_groups if schedule.collects else [g for g in my_groups if g.k_correct == K])
+    schedule.end_step(solved_fraction(rewards_of_the_step, dp_group), step)
     logger.log(pool.stats())
 """
 
 from exgrpo_megatron.experience.buckets import BUCKET_MODES, IndexedBuckets, bucket_probabilities, draw_bucket_counts
 from exgrpo_megatron.experience.routing import owner_rank, splitmix64
+from exgrpo_megatron.experience.schedule import ExperienceSchedule, Phase, legacy_state, solved_fraction
 from exgrpo_megatron.experience.selection import (
     SELECTION_METRICS,
     Scorer,
@@ -28,12 +29,12 @@ from exgrpo_megatron.experience.selection import (
 )
 from exgrpo_megatron.experience.shard import ExperienceShard, classify_group
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
-from exgrpo_megatron.experience.switch import MixedModeSwitch
 from exgrpo_megatron.experience.types import CandidateScores, GroupOutcome, ReplayChoice, Trajectory, as_trajectory
 
 __all__ = [
     "BUCKET_MODES", "SELECTION_METRICS", "CandidateScores", "ExperienceShard", "GroupOutcome", "IndexedBuckets",
-    "MixedModeSwitch", "ReplayChoice", "Scorer", "ShardedExperiencePool", "Trajectory", "as_trajectory",
+    "ExperienceSchedule", "Phase", "ReplayChoice", "Scorer", "ShardedExperiencePool", "Trajectory", "as_trajectory",
     "bucket_probabilities", "choose_trajectories", "classify_group", "draw_bucket_counts", "mean_token_entropy",
-    "mean_token_nll", "owner_rank", "select_trajectory_index", "splitmix64",
+    "mean_token_nll", "legacy_state", "owner_rank", "select_trajectory_index",
+    "solved_fraction", "splitmix64",
 ]

@@ -51,7 +51,8 @@ def bucket_probabilities(
         total = weights.sum()
     if total <= 0.0:
         return np.zeros_like(k)
-    return weights / total
+    probs: np.ndarray = weights / total
+    return probs
 
 
 def draw_bucket_counts(rng: np.random.Generator, probabilities: np.ndarray, bucket_sizes: np.ndarray,

@@ -15,6 +15,8 @@ Routing a step's groups (`route_groups`), two collectives over the DP group:
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -70,14 +72,16 @@ def _decode(buf: np.ndarray, n_trajectories: int, step: int) -> list[Trajectory]
     return out
 
 
-def route_groups(groups: list[GroupOutcome], dp_group, dp_rank: int, dp_size: int) -> list[RoutedGroup]:
+def route_groups(groups: list[GroupOutcome], dp_group: dist.ProcessGroup | None, dp_rank: int, dp_size: int
+                 ) -> list[RoutedGroup]:
     """Every group of every DP rank, in (source rank, local index) order -- identical on all ranks --
     with its trajectories attached only on the rank that owns the question."""
     local_trajs = [g.trajectories() for g in groups]
     if dp_size == 1:
         return [(g.qid, g.k_correct, g.group_size, g.step, ts) for g, ts in zip(groups, local_trajs, strict=True)]
-    all_headers: list[np.ndarray | None] = [None] * dp_size
-    dist.all_gather_object(all_headers, _headers(groups, local_trajs), group=dp_group)
+    gathered_headers: list[np.ndarray | None] = [None] * dp_size
+    dist.all_gather_object(gathered_headers, _headers(groups, local_trajs), group=dp_group)
+    all_headers = cast(list[np.ndarray], gathered_headers)  # every entry filled by the all-gather
     owners = [[owner_rank(int(q), dp_size) for q in h[:, 0]] for h in all_headers]
 
     send_parts: list[list[np.ndarray]] = [[] for _ in range(dp_size)]
@@ -106,19 +110,21 @@ def route_groups(groups: list[GroupOutcome], dp_group, dp_rank: int, dp_size: in
     return routed
 
 
-def all_gather_choices(local: list[tuple[int, int, Trajectory, np.ndarray | None]], dp_group, dp_size: int
+def all_gather_choices(local: list[tuple[int, int, Trajectory, np.ndarray | None]],
+                       dp_group: dist.ProcessGroup | None, dp_size: int
                        ) -> list[tuple[int, int, Trajectory, np.ndarray | None]]:
     """Concatenate every rank's (qid, bucket, trajectory, current log-probs) choices on every rank
     (all_gather_object)."""
     if dp_size == 1:
         return list(local)
     packed = [(q, k, t.token_ids, t.logprobs, t.step, cur) for q, k, t, cur in local]
-    gathered: list[list | None] = [None] * dp_size
+    gathered: list[list[Any] | None] = [None] * dp_size
     dist.all_gather_object(gathered, packed, group=dp_group)
-    return [(q, k, Trajectory(ids, lps, step), cur) for part in gathered for q, k, ids, lps, step, cur in part]
+    parts = cast(list[list[Any]], gathered)  # every entry filled by the all-gather
+    return [(q, k, Trajectory(ids, lps, step), cur) for part in parts for q, k, ids, lps, step, cur in part]
 
 
-def all_gather_int64(values: np.ndarray, dp_group, dp_size: int) -> np.ndarray:
+def all_gather_int64(values: np.ndarray, dp_group: dist.ProcessGroup | None, dp_size: int) -> np.ndarray:
     """Stack a fixed-length int64 vector from every rank: [dp_size, len]."""
     if dp_size == 1:
         return np.asarray(values, dtype=np.int64)[None, :]

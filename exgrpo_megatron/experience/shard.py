@@ -14,6 +14,7 @@ possible only with lbound < 0, adds nothing). Every operation is O(group) / O(dr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -137,7 +138,7 @@ class ExperienceShard:
         return drawn
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """{"arrays": {name: np.ndarray}, "meta": json-able dict}; no pickled objects.
 
         Questions are listed by bucket, then by slot inside the bucket (so a reload reproduces the
@@ -164,7 +165,7 @@ class ExperienceShard:
         }
         return {"arrays": arrays, "meta": meta}
 
-    def load_state_dicts(self, states: list[dict], keep: Callable[[int], bool] | None = None) -> None:
+    def load_state_dicts(self, states: list[dict[str, Any]], keep: Callable[[int], bool] | None = None) -> None:
         """Replace this shard's content with the questions of `states` that `keep(qid)` accepts (all if
         None), in the saved order; the retired set becomes the union of all saved retired sets."""
         self._reset()

@@ -25,6 +25,8 @@ The caller passes `parallel_state.get_data_parallel_group_gloo()` (objects trave
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch.distributed as dist
 
@@ -32,7 +34,7 @@ from exgrpo_megatron.experience.buckets import bucket_probabilities, draw_bucket
 from exgrpo_megatron.experience.routing import all_gather_choices, all_gather_int64, owner_rank, route_groups
 from exgrpo_megatron.experience.selection import SELECT_MODES, SELECTION_METRICS, Scorer, choose_trajectories
 from exgrpo_megatron.experience.shard import RETIRE, ExperienceShard
-from exgrpo_megatron.experience.types import GroupOutcome, ReplayChoice
+from exgrpo_megatron.experience.types import GroupOutcome, ReplayChoice, Trajectory
 
 
 class ShardedExperiencePool:
@@ -40,7 +42,8 @@ class ShardedExperiencePool:
 
     def __init__(self, group_size: int, lbound: int = 0, rbound: int | None = None,
                  max_trajectories_per_question: int = 0, bucket_mode: str = "normal", bucket_mu: float = 0.5,
-                 bucket_sigma: float = 1.0, metric: str = "ent", dp_group=None, select_mode: str = "argmin") -> None:
+                 bucket_sigma: float = 1.0, metric: str = "ent", dp_group: dist.ProcessGroup | None = None,
+                 select_mode: str = "argmin") -> None:
         if metric not in SELECTION_METRICS:
             raise ValueError(f"unknown selection metric {metric!r}; expected one of {SELECTION_METRICS}")
         if select_mode not in SELECT_MODES:
@@ -88,7 +91,7 @@ class ShardedExperiencePool:
         sizes_per_rank = all_gather_int64(self.shard.bucket_sizes, self.dp_group, self.dp_size)
         global_sizes = sizes_per_rank.sum(axis=0)
         n_exp = min(int(n_total), int(global_sizes.sum()))
-        local: list[tuple[int, int, object]] = []
+        local: list[tuple[int, int, Trajectory, np.ndarray | None]] = []
         if n_exp > 0:
             shared_rng = np.random.default_rng([rng_seed, 0])
             probs = bucket_probabilities(global_sizes, self.group_size, self.bucket_mode, self.bucket_mu,
@@ -132,21 +135,21 @@ class ShardedExperiencePool:
         return out
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """This rank's shard: {"arrays": {name: np.ndarray}, "meta": json-able} (see ExperienceShard);
         meta also records dp_rank / dp_size. Not a collective."""
         state = self.shard.state_dict()
         state["meta"].update(dp_rank=self.dp_rank, dp_size=self.dp_size)
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from this rank's own saved shard (same DP size)."""
         saved = int(state["meta"].get("dp_size", 1))
         if saved != self.dp_size:
             raise ValueError(f"shard saved at dp_size={saved}; use load_state_dicts(all shards) to reshard")
         self.load_state_dicts([state])
 
-    def load_state_dicts(self, states: list[dict]) -> None:
+    def load_state_dicts(self, states: list[dict[str, Any]]) -> None:
         """Reshard: given the shards saved at ANY DP size (all of them, in saved-rank order), keep the
         questions this rank owns under the current DP size; the retired set is the union."""
         self.shard.load_state_dicts(states, keep=self.owns if self.dp_size > 1 else None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 
 class Trajectory:
@@ -38,13 +39,13 @@ class Trajectory:
         return f"Trajectory(length={self.length}, step={self.step}, token_ids={self.token_ids[:8].tolist()}...)"
 
 
-def _as_1d(values, dtype) -> np.ndarray:
+def _as_1d(values: ArrayLike, dtype: type[np.generic]) -> np.ndarray:
     if isinstance(values, np.ndarray) and values.dtype == dtype and values.ndim == 1 and values.flags.c_contiguous:
         return values  # fast path: already in storage layout
     return np.ascontiguousarray(values, dtype=dtype).reshape(-1)
 
 
-def as_trajectory(token_ids, logprobs, step: int) -> Trajectory:
+def as_trajectory(token_ids: ArrayLike, logprobs: ArrayLike, step: int) -> Trajectory:
     """Validate and normalise dtypes (int32 ids, float32 log-probs, equal 1-D lengths)."""
     ids = _as_1d(token_ids, np.int32)
     lps = _as_1d(logprobs, np.float32)

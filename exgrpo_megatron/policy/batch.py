@@ -13,20 +13,41 @@ Per-token tensors are aligned to *targets*: column t describes the prediction of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 
 @dataclass
+class LossInputs:
+    """What the RL loss reads per token of one micro-batch, aligned like `MicroBatch.loss_mask` (0 outside the
+    response targets): pi_old, the generation log-probs (the engine's; on a replayed row the recorded behaviour
+    log-probs pi_past), the sequence's advantage broadcast over its tokens and the replay flag (1.0 on replayed
+    rows). `measure_mismatch`: the weights are still pi_old's, so the loss also measures the engine-vs-trainer
+    mismatch on fresh tokens (the first update of a step whose pi_old came from the rollout)."""
+
+    old_logprobs: torch.Tensor
+    generation_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    replay: torch.Tensor
+    measure_mismatch: bool = False
+
+    def to(self, device: torch.device) -> LossInputs:
+        return LossInputs(self.old_logprobs.to(device), self.generation_logprobs.to(device),
+                          self.advantages.to(device), self.replay.to(device), self.measure_mismatch)
+
+
+@dataclass
 class MicroBatch:
-    tokens: torch.Tensor  # [b, s] int64, right-padded
+    tokens: torch.Tensor  # [b, s] int64, right-padded (or [1, sum of lengths] packed)
     loss_mask: torch.Tensor  # [b, s] float, 1 on response targets
-    # Optional per-token tensors aligned like loss_mask (filled by the trainer for RL losses).
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: list[int] = field(default_factory=list)  # positions of these sequences in the full batch
     lengths: list[int] = field(default_factory=list)  # token count of each row's sequence
+    prompt_lengths: list[int] = field(default_factory=list)  # prompt token count of each row's sequence
     cu_seqlens: torch.Tensor | None = None  # packed: int32 [rows + 1] sequence starts; None = padded rows
+    loss_inputs: LossInputs | None = None  # the RL loss's per-token inputs (None: forward-only passes)
 
     @property
     def labels(self) -> torch.Tensor:
@@ -47,10 +68,22 @@ class MicroBatch:
         """(row, column) of the first token of this micro-batch's b-th sequence."""
         return (0, int(self.cu_seqlens[b])) if self.cu_seqlens is not None else (b, 0)
 
+    def place(self, per_row: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One per-response-token quantity at this micro-batch's target positions (float32, 0 elsewhere):
+        `per_row[i]` holds the values of full-batch row i (`rows`), one per response token."""
+        out = torch.zeros(self.tokens.shape, dtype=torch.float32)
+        for b, i in enumerate(self.rows):
+            r, c = self.row_start(b)
+            p = self.prompt_lengths[b]
+            v = torch.as_tensor(per_row[i], dtype=torch.float32)
+            out[r, c + p - 1 : c + p - 1 + v.numel()] = v
+        return out
+
     def to(self, device: torch.device) -> MicroBatch:
         cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
-        return MicroBatch(self.tokens.to(device), self.loss_mask.to(device),
-                          {k: v.to(device) for k, v in self.extras.items()}, list(self.rows), list(self.lengths), cu)
+        inputs = None if self.loss_inputs is None else self.loss_inputs.to(device)
+        return MicroBatch(self.tokens.to(device), self.loss_mask.to(device), list(self.rows), list(self.lengths),
+                          list(self.prompt_lengths), cu, inputs)
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
@@ -93,38 +126,32 @@ def collate(
     sequences: list[list[int]],
     prompt_lengths: list[int],
     rows: list[int],
-    per_token: dict[str, list[torch.Tensor]] | None = None,
     pad_id: int = 0,
     packed: bool = False,
 ) -> MicroBatch:
-    """Right-pad (or pack) the selected sequences. `per_token[name][i]` holds one value per *response*
-    token of sequence i; it is placed at the target positions of that sequence."""
+    """Right-pad (or pack) the selected sequences; per-token quantities go in with `MicroBatch.place`."""
     lengths = [len(sequences[i]) for i in rows]
     shape = (1, sum(lengths)) if packed else (len(rows), max(lengths))
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     tokens = torch.full(shape, pad_id, dtype=torch.long)
     loss_mask = torch.zeros(shape, dtype=torch.float32)
-    extras = {name: torch.zeros(shape, dtype=torch.float32) for name in (per_token or {})}
     for b, i in enumerate(rows):
         seq, p = sequences[i], prompt_lengths[i]
         r, c = (0, starts[b]) if packed else (b, 0)
         tokens[r, c : c + len(seq)] = torch.as_tensor(seq, dtype=torch.long)
         loss_mask[r, c + p - 1 : c + len(seq) - 1] = 1.0
-        for name, values in (per_token or {}).items():
-            v = torch.as_tensor(values[i], dtype=torch.float32)
-            extras[name][r, c + p - 1 : c + p - 1 + v.numel()] = v
     cu = torch.tensor(starts, dtype=torch.int32) if packed else None
-    return MicroBatch(tokens, loss_mask, extras, list(rows), lengths, cu)
+    return MicroBatch(tokens, loss_mask, list(rows), lengths, [prompt_lengths[i] for i in rows], cu)
 
 
 def make_micro_batches(sequences: list[list[int]], prompt_lengths: list[int], rows: list[int], max_tokens: int,
-                       packed: bool, per_token: dict[str, list[torch.Tensor]] | None = None) -> list[MicroBatch]:
+                       packed: bool) -> list[MicroBatch]:
     """Plan and collate token-budget micro-batches of `rows` (indices into `sequences`)."""
     plan = plan_micro_batches([len(sequences[i]) for i in rows], max_tokens, packed)
-    return [collate(sequences, prompt_lengths, [rows[j] for j in mb], per_token, packed=packed) for mb in plan]
+    return [collate(sequences, prompt_lengths, [rows[j] for j in mb], packed=packed) for mb in plan]
 
 
-def forward_inputs(mb: MicroBatch, causal_mask: bool) -> dict:
+def forward_inputs(mb: MicroBatch, causal_mask: bool) -> dict[str, Any]:
     """Keyword arguments of GPTModel.forward for one micro-batch: padded rows with positions 0..s-1 (and
     megatron's explicit causal mask when `causal_mask`), or the packed row as THD `PackedSeqParams` (per-sequence
     causal attention; RoPE positions restart at every cu_seqlens entry)."""

@@ -16,6 +16,8 @@ all-reduce under PP see an ordinary gradient).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -37,8 +39,8 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, temperature: float, valid_loca
 
 class _FusedOutputLogProbEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, tp_group, chunk_size, temperature, with_entropy, entropy_grad,
-                vocab_size):
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, tp_group: Any, chunk_size: int,
+                temperature: float, with_entropy: bool, entropy_grad: bool, vocab_size: int) -> tuple[Tensor, Tensor]:
         tp_rank, _ = group_rank_size(tp_group)
         vocab_local = weight.shape[0]
         vocab_start = tp_rank * vocab_local
@@ -60,7 +62,7 @@ class _FusedOutputLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, row_max, log_sum_exp, entropy = ctx.saved_tensors
         tp_group, vocab_start, valid_local, chunk_size, temperature, entropy_differentiable = ctx.config
         g_logp = grad_or_zeros(grad_logprobs, row_max)
@@ -73,11 +75,11 @@ class _FusedOutputLogProbEntropy(torch.autograd.Function):
             z = _chunk_logits(hidden[rows], weight, temperature, valid_local, row_max.dtype)
             g = chunk_grad(z, targets[rows], vocab_start, row_max[rows], log_sum_exp[rows], g_logp[rows],
                            entropy[rows], None if g_ent is None else g_ent[rows], temperature).to(weight.dtype)
-            if need_h:
+            if grad_hidden is not None:  # need_h
                 grad_hidden[rows] = torch.matmul(g, weight)
-            if need_w and grad_weight.dtype == weight.dtype:
+            if grad_weight is not None and grad_weight.dtype == weight.dtype:  # need_w
                 grad_weight.addmm_(g.t(), hidden[rows].to(weight.dtype))  # in place: no second [V/tp, H] buffer
-            elif need_w:
+            elif grad_weight is not None:
                 grad_weight.add_(torch.matmul(g.t(), hidden[rows].to(weight.dtype)))
             del g, z
         if need_h and group_rank_size(tp_group)[1] > 1:
@@ -117,7 +119,7 @@ def fused_output_logprobs_entropy(
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets shape {tuple(targets.shape)} must be [N] = {tuple(hidden.shape[:1])}")
     group = tp_group if tp_group is not None else default_tp_group()
-    logprobs, entropy = _FusedOutputLogProbEntropy.apply(
+    logprobs, entropy = _FusedOutputLogProbEntropy.apply(  # type: ignore[no-untyped-call]
         hidden, weight, targets.long(), group, int(chunk_size), float(temperature), bool(with_entropy),
         bool(entropy_grad), int(vocab_size))
     return logprobs, (entropy if with_entropy else None)

@@ -25,6 +25,8 @@ The g_H term is skipped when `entropy_grad=False` (entropy coefficient 0). The i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -88,6 +90,7 @@ def chunk_grad(z: Tensor, targets: Tensor, vocab_start: int, row_max: Tensor, lo
     p = torch.exp(log_p)
     g_l = g_logp.unsqueeze(-1)
     if g_entropy is not None:
+        assert entropy is not None, "an entropy gradient needs the forward's entropy"
         # grad_z = -p * (g_l + g_H (log p + H)); reuse the log_p buffer.
         grad_z = log_p.add_(entropy.unsqueeze(-1)).mul_(g_entropy.unsqueeze(-1)).add_(g_l)
         grad_z.mul_(p).neg_()
@@ -105,7 +108,8 @@ def chunk_grad(z: Tensor, targets: Tensor, vocab_start: int, row_max: Tensor, lo
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, tp_group, chunk_size, temperature, with_entropy, entropy_grad):
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, tp_group: Any, chunk_size: int, temperature: float,
+                with_entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor]:
         tp_rank, _ = group_rank_size(tp_group)
         vocab_local = logits.shape[-1]
         vocab_start = tp_rank * vocab_local
@@ -134,15 +138,15 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx: Any, grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
         logits, targets, row_max, log_sum_exp, entropy = ctx.saved_tensors
         vocab_start, chunk_size, temperature, entropy_differentiable = ctx.config
         vocab_local = logits.shape[-1]
         flat_logits = logits.reshape(-1, vocab_local)
         flat_targets = targets.reshape(-1)
         g_logp = grad_or_zeros(grad_logprobs, row_max)
-        use_entropy_grad = entropy_differentiable and grad_entropy is not None
-        g_ent = grad_entropy.reshape(-1).to(row_max.dtype) if use_entropy_grad else None
+        g_ent = grad_entropy.reshape(-1).to(row_max.dtype) if entropy_differentiable and grad_entropy is not None \
+            else None
         flat_entropy = entropy.reshape(-1)
 
         grad_logits = torch.empty_like(flat_logits)
@@ -192,7 +196,7 @@ def vocab_parallel_logprobs_entropy(
         raise ValueError(f"targets shape {tuple(targets.shape)} must equal logits shape without vocab "
                          f"{tuple(logits.shape[:-1])}")
     group = tp_group if tp_group is not None else default_tp_group()
-    logprobs, entropy = _VocabParallelLogProbEntropy.apply(
+    logprobs, entropy = _VocabParallelLogProbEntropy.apply(  # type: ignore[no-untyped-call]
         logits, targets.long(), group, int(chunk_size), float(temperature), bool(with_entropy), bool(entropy_grad)
     )
     return logprobs, (entropy if with_entropy else None)

@@ -16,21 +16,24 @@ Only replayed rows the selection did not score (a single stored candidate, metri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
+from exgrpo_megatron.data.step_plan import QuestionGroup
 from exgrpo_megatron.policy.policy import Policy
-from exgrpo_megatron.policy.train_batch import RolloutBatch, token_stats
+from exgrpo_megatron.policy.train_batch import TrainBatch, token_stats
 
 
-def replay_current_logprobs(groups, batch: RolloutBatch) -> list[np.ndarray | None]:
+def replay_current_logprobs(groups: Sequence[QuestionGroup], batch: TrainBatch) -> list[np.ndarray | None]:
     """Per row: the selection pass's current-policy log-probs of a replayed row (None for fresh rows and for
     replays that were not scored). `groups` are this rank's QuestionGroups, in batch.group_index order."""
     return [groups[g].replay_current_logprobs if rep else None
             for g, rep in zip(batch.group_index, batch.is_replay, strict=True)]
 
 
-def old_logprobs(policy: Policy, batch: RolloutBatch, replay_current: list[np.ndarray | None], source: str, *,
+def old_logprobs(policy: Policy, batch: TrainBatch, replay_current: list[np.ndarray | None], source: str, *,
                  temperature: float, max_tokens: int) -> tuple[list[torch.Tensor], int]:
     """(pi_old per row, number of rows that needed a forward pass here).
 

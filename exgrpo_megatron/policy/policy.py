@@ -12,9 +12,11 @@ not rescale by the token count.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,9 @@ from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
 from exgrpo_megatron.model.layout_init import initialise
 from exgrpo_megatron.policy.batch import MicroBatch, forward_inputs
 from exgrpo_megatron.policy.output_layer import LastStageOutput, stop_before_output_layer
+
+if TYPE_CHECKING:
+    from exgrpo_megatron.checkpoint import LoadedCheckpoint
 
 # loss_fn(last stage's output (logits or hidden states, see output_layer.py), micro_batch)
 #   -> (loss scalar, metrics dict of tensors)
@@ -38,7 +43,7 @@ class UpdateResult:
     lr: float
 
 
-def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
+def _finalize_grads_without_token_scaling(model: Any, num_tokens: Any = None, **kwargs: Any) -> Any:
     from megatron.core.distributed import finalize_model_grads
 
     return finalize_model_grads(model, num_tokens=None, **kwargs)
@@ -103,7 +108,7 @@ class Policy:
         generates when the version differs from its last refit (rollout/vllm_engine.py)."""
         self.weights_version += 1
 
-    def load_weights(self, path) -> None:
+    def load_weights(self, path: str | Path) -> None:
         """Weights only (`checkpoint.init_from`, the SFT warm start); the optimizer's master copy follows."""
         from exgrpo_megatron.checkpoint import load_model_weights
 
@@ -111,7 +116,7 @@ class Policy:
         self.optimizer.reload_model_params()
         self.mark_weights_changed()
 
-    def resume(self, run_dir, resume: str):
+    def resume(self, run_dir: str, resume: str) -> LoadedCheckpoint | None:
         """`checkpoint.resume` -> the newest trainer checkpoint that verifies (weights, optimizer, LR schedule,
         RNG), loaded; returns its LoadedCheckpoint, or None when there is none to resume from."""
         from exgrpo_megatron.checkpoint import load_newest_verified
@@ -123,12 +128,14 @@ class Policy:
         return loaded
 
     # ---------------------------------------------------------------- forward / backward
-    def _forward_step(self, loss_fn: LossFn | None, collect: list, data_iterator, model):
+    def _forward_step(self, loss_fn: LossFn, collect: list[dict[str, torch.Tensor]],
+                      data_iterator: Iterator[MicroBatch], model: Any
+                      ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[Any, ...]]]:
         mb: MicroBatch = next(data_iterator)
         with stop_before_output_layer(model, self.cfg.trainer.fused_output_logprobs) as output_weight:
             output = model(**forward_inputs(mb, causal_mask=self.use_mask))
 
-        def loss_func(model_output):
+        def loss_func(model_output: torch.Tensor) -> tuple[Any, ...]:
             loss, metrics = loss_fn(LastStageOutput(model_output, output_weight), mb)
             collect.append({k: v.detach() for k, v in metrics.items()})
             return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {}
@@ -160,12 +167,13 @@ class Policy:
             )
         return self._broadcast_from_last_stage(collect, n)
 
-    def _broadcast_from_last_stage(self, collect: list[dict[str, torch.Tensor]], n: int):
+    def _broadcast_from_last_stage(self, collect: list[dict[str, torch.Tensor]], n: int
+                                   ) -> list[dict[str, torch.Tensor]]:
         if dist.get_world_size(self.pp_group) == 1:
             return collect
-        payload = [collect] if self.is_last_stage else [None]
+        payload: list[list[dict[str, torch.Tensor]] | None] = [collect] if self.is_last_stage else [None]
         dist.broadcast_object_list(payload, src=self.pp_last_rank, group=self.pp_group)
-        return payload[0]
+        return cast(list[dict[str, torch.Tensor]], payload[0])  # filled by the broadcast
 
     def take_padding_share(self) -> float:
         """Share of the token slots run through the model since the last call that were padding."""

@@ -12,9 +12,10 @@ any update of the step, so these are the weights pi_old is defined on.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from exgrpo_megatron.data.datasets import PromptDataset
-from exgrpo_megatron.experience.selection import Scorer
+from exgrpo_megatron.experience.selection import Scorer, mean_token_entropy, mean_token_nll
 from exgrpo_megatron.experience.types import CandidateScores, Trajectory
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.policy.train_batch import token_stats
@@ -39,9 +40,11 @@ def make_scorer(policy: Policy, max_tokens: int, dataset: PromptDataset,
         out_nll: list[list[float]] = [[] for _ in qids]
         out_lp: list[list[np.ndarray]] = [[] for _ in qids]
         kept = stats.logprobs_at if stats.logprobs_at is not None else [None] * len(seqs)
-        for i, lp, h, at in zip(owner, stats.logprobs, stats.entropy, kept, strict=True):
-            out_ent[i].append(float(h.double().mean()))
-            out_nll[i].append(float(-lp.double().mean()))
+        entropies = stats.entropy if stats.entropy is not None else []
+        for i, lp, h, at in zip(owner, stats.logprobs, entropies, kept, strict=True):
+            response = torch.ones_like(h, dtype=torch.float64)  # every scattered token is a response token
+            out_ent[i].append(float(mean_token_entropy(h.double(), response)))
+            out_nll[i].append(float(mean_token_nll(lp.double(), response)))
             if at is not None:
                 out_lp[i].append(at.float().numpy())
         keep = logprob_temperature is not None

@@ -1,41 +1,49 @@
-"""From graded rollout groups to the tensors the policy trains on.
+"""From graded rollout groups to the tensors the policy trains on: the typed `TrainBatch`, rollout to loss.
 
 One row per sample: prompt + response tokens, the sequence's group advantage (broadcast over its
 response tokens), the generation log-probs (for a replayed trajectory: its recorded behaviour
-log-probs) and a replay flag. Old log-probs: policy/old_logprobs.py (a forward pass of the current
-weights, `token_stats`, or the rollout's own exact log-probs).
+log-probs), a replay flag and, once computed, pi_old (policy/old_logprobs.py: a forward pass of the current
+weights, `token_stats`, or the rollout's own exact log-probs). `micro_batches_for_update` turns rows of it
+into micro-batches whose `LossInputs` the loss reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from exgrpo_megatron.algo.advantages import group_advantages
-from exgrpo_megatron.policy.batch import MicroBatch, make_micro_batches, scatter_rows
+from exgrpo_megatron.policy.batch import LossInputs, MicroBatch, make_micro_batches, scatter_rows
 from exgrpo_megatron.policy.objective import token_stats_fn
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.rollout.types import Sample
 
 
 @dataclass
-class RolloutBatch:
-    sequences: list[list[int]]
+class TrainBatch:
+    """This rank's rows of one step, group by group (rows of group g are adjacent)."""
+
+    sequences: list[list[int]]  # prompt + response token ids
     prompt_lengths: list[int]
-    gen_logprobs: list[torch.Tensor]
+    gen_logprobs: list[torch.Tensor]  # per response token: the engine's log-probs; replayed rows: the recorded pi_past
     rewards: list[float]
-    advantages: list[float]
+    advantages: list[float]  # per sequence (group-relative)
     is_replay: list[bool]
-    group_index: list[int]
+    group_index: list[int]  # the row's group among this rank's groups
+    old_logprobs: list[torch.Tensor] = field(default_factory=list)  # pi_old per response token, once computed
 
     @property
     def response_lengths(self) -> list[int]:
         return [len(s) - p for s, p in zip(self.sequences, self.prompt_lengths, strict=True)]
 
+    def rows_of_groups(self, groups: set[int]) -> list[int]:
+        """The rows of the given groups, in row order."""
+        return [i for i, g in enumerate(self.group_index) if g in groups]
 
-def build_rollout_batch(groups: list[list[Sample]], rewards: list[list[float]], std_normalize: bool) -> RolloutBatch:
+
+def build_train_batch(groups: list[list[Sample]], rewards: list[list[float]], std_normalize: bool) -> TrainBatch:
     seqs, plens, lps, rs, advs, replay, gidx = [], [], [], [], [], [], []
     for g, (samples, r) in enumerate(zip(groups, rewards, strict=True)):
         a = group_advantages(torch.tensor([r], dtype=torch.float64), std_normalize=std_normalize)[0].tolist()
@@ -47,7 +55,7 @@ def build_rollout_batch(groups: list[list[Sample]], rewards: list[list[float]], 
             advs.append(float(ai))
             replay.append(bool(s.is_replay))
             gidx.append(g)
-    return RolloutBatch(seqs, plens, lps, rs, advs, replay, gidx)
+    return TrainBatch(seqs, plens, lps, rs, advs, replay, gidx)
 
 
 class TokenStats(NamedTuple):
@@ -62,6 +70,7 @@ def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list
     with `logprob_temperature`, also the log-probs at that temperature from the same logits."""
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     keys += ["logprobs_at"] if logprob_temperature is not None else []
+    got: dict[str, list[torch.Tensor]]
     if not sequences:
         got = {k: [] for k in keys}
     else:
@@ -74,17 +83,17 @@ def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list
     return TokenStats(got["logprobs"], got.get("entropy"), got.get("logprobs_at"))
 
 
-def micro_batches_for_update(batch: RolloutBatch, rows: list[int], old_logprobs: list[torch.Tensor],
-                             behaviour_logprobs: list[torch.Tensor], max_tokens: int,
-                             packed: bool = False, with_generation_logprobs: bool = False) -> list[MicroBatch]:
-    """Token-budget micro-batches of the given rows with the loss extras placed per target token
-    (with_generation_logprobs: also the engine's log-probs, for the mismatch metric)."""
-    per_token = {
-        "old_logprobs": old_logprobs,
-        "behaviour_logprobs": behaviour_logprobs,
-        "advantages": [torch.full((n,), a) for n, a in zip(batch.response_lengths, batch.advantages, strict=True)],
-        "replay": [torch.full((n,), float(r)) for n, r in zip(batch.response_lengths, batch.is_replay, strict=True)],
-    }
-    if with_generation_logprobs:
-        per_token["generation_logprobs"] = batch.gen_logprobs
-    return make_micro_batches(batch.sequences, batch.prompt_lengths, rows, max_tokens, packed, per_token)
+def micro_batches_for_update(batch: TrainBatch, rows: list[int], max_tokens: int, packed: bool = False,
+                             measure_mismatch: bool = False) -> list[MicroBatch]:
+    """Token-budget micro-batches of the given rows, each with its `LossInputs` placed per target token
+    (`measure_mismatch`: the loss also measures the engine-vs-trainer mismatch; the weights must be pi_old's)."""
+    if len(batch.old_logprobs) != len(batch.sequences):
+        raise ValueError(f"pi_old of {len(batch.old_logprobs)} rows for a batch of {len(batch.sequences)}")
+    lengths = batch.response_lengths
+    advantages = [torch.full((n,), a) for n, a in zip(lengths, batch.advantages, strict=True)]
+    replay = [torch.full((n,), float(r)) for n, r in zip(lengths, batch.is_replay, strict=True)]
+    mbs = make_micro_batches(batch.sequences, batch.prompt_lengths, rows, max_tokens, packed)
+    for mb in mbs:
+        mb.loss_inputs = LossInputs(mb.place(batch.old_logprobs), mb.place(batch.gen_logprobs),
+                                    mb.place(advantages), mb.place(replay), measure_mismatch)
+    return mbs

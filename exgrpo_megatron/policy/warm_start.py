@@ -22,8 +22,9 @@ import torch.distributed as dist
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.synthetic import task_fingerprint, warm_start_examples
 from exgrpo_megatron.data.tokenizer import Tokenizer
-from exgrpo_megatron.policy.batch import collate, plan_micro_batches
-from exgrpo_megatron.policy.policy import Policy
+from exgrpo_megatron.policy.batch import MicroBatch, collate, plan_micro_batches
+from exgrpo_megatron.policy.output_layer import LastStageOutput
+from exgrpo_megatron.policy.policy import LossFn, Policy
 
 SFT_BATCH = 64
 
@@ -38,8 +39,8 @@ def cache_key(cfg: RootConfig) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _ce_loss(normaliser: float, vocab_size: int):
-    def loss_fn(output, mb):
+def _ce_loss(normaliser: float, vocab_size: int) -> LossFn:
+    def loss_fn(output: LastStageOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logp, _ = output.logprobs_entropy(mb, vocab_size=vocab_size, with_entropy=False)
         loss = -(logp * mb.loss_mask).sum() / normaliser
         return loss, {"nll_sum": -(logp.detach() * mb.loss_mask).sum().double()}
