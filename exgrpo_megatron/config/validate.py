@@ -55,6 +55,10 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     if pp > 0 and m.num_layers % (pp * (p.virtual_pipeline_model_parallel_size or 1)):
         e.append(f"parallel.pipeline_model_parallel_size: model.num_layers={m.num_layers} is not divisible by "
                  f"PP={pp} x VPP={p.virtual_pipeline_model_parallel_size or 1}")
+    vpp = p.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp > 1 and pp == 1:
+        e.append(f"parallel.virtual_pipeline_model_parallel_size: VPP={vpp} needs pipeline_model_parallel_size > 1 "
+                 "(with PP=1 megatron places every model chunk at layer offset 0)")
     model_parallel = tp * pp * cp
     if model_parallel > 0 and world_size % model_parallel:
         e.append(f"parallel: world size {world_size} is not divisible by TP x PP x CP = {model_parallel}")
