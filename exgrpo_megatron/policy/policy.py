@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.config.schema import RootConfig, TrainerConfig
 from exgrpo_megatron.distributed.threads import torch_threads, train_threads_from_env
 from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
 from exgrpo_megatron.model.layout_init import initialise
@@ -88,7 +88,7 @@ class Policy:
             ),
             self.chunks,
         )
-        decay_steps = max(1, cfg.trainer.total_steps * updates_per_step(cfg))
+        decay_steps = max(1, cfg.trainer.total_steps * updates_per_step(cfg.trainer))
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
             lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay_steps,
@@ -215,5 +215,6 @@ class Policy:
             c.eval()
 
 
-def updates_per_step(cfg: RootConfig) -> int:
-    return max(1, cfg.trainer.train_batch_size // cfg.trainer.ppo_mini_batch_size)
+def updates_per_step(t: TrainerConfig) -> int:
+    """Optimizer updates per RL step: train_batch_size / ppo_mini_batch_size (the paper: 2)."""
+    return max(1, t.train_batch_size // t.ppo_mini_batch_size)
