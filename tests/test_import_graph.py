@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS: tuple[str, ...] = (
     "config",  # the schema, its domains, validation, values derived from it: stdlib + torch only
     "distributed",  # launch environment, process groups, CPU shims, preemption signals
-    "algo",  # advantages and the loss: pure tensor functions
-    "experience",  # the experience pool
+    "experience",  # the experience pool and the phase schedule (warm-up -> collecting -> mixed)
+    "algo",  # the algorithm object (reads the phase), advantages and the loss: pure tensor functions
     "data",  # datasets, prompt templates, tokenizers, the sampler, the step plan
     "model",  # the GPTModel builder
     "convert",  # HF <-> megatron mapping
