@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from exgrpo_megatron.config.derived import padded_vocab_size
 from exgrpo_megatron.config.schema import ModelConfig
 from exgrpo_megatron.convert.hf_config import (
     UnsupportedArchitectureError,
@@ -22,7 +23,6 @@ from exgrpo_megatron.convert.hf_config import (
     save_model_config,
 )
 from exgrpo_megatron.convert.hf_mapping import hf_to_megatron, megatron_to_hf
-from exgrpo_megatron.model.builder import padded_vocab_size
 from exgrpo_megatron.model.param_layout import EMBEDDING, merge_from_tp, split_for_tp
 from tests.helpers.multirank import run_on_ranks
 

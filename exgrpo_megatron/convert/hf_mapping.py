@@ -7,7 +7,7 @@ section 4 and anchors.md section C:
     Qwen2's q/k/v biases the same way (1-D). Under TP each rank holds G/TP whole groups, so a TP
     split of the full interleaved tensor is a plain dim-0 chunk (naive cat([q, k, v]) is the known bug).
   * linear_fc1 = cat([gate_proj, up_proj]) (TP shards it with stride 2: rank t holds [gate_t; up_t]).
-  * The vocabulary is zero-padded as `model.builder.padded_vocab_size` pads it on import and trimmed
+  * The vocabulary is zero-padded as `config.derived.padded_vocab_size` pads it on import and trimmed
     on export.
 Names: local spec (`decoder.layers.{i}.input_layernorm.weight`) and TE spec
 (`decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight`) are both accepted.
@@ -19,9 +19,9 @@ from collections.abc import Mapping
 
 import torch
 
+from exgrpo_megatron.config.derived import padded_vocab_size
 from exgrpo_megatron.config.schema import ModelConfig
 from exgrpo_megatron.convert.hf_config import UnsupportedArchitectureError, head_dim
-from exgrpo_megatron.model.builder import padded_vocab_size
 from exgrpo_megatron.model.param_layout import (
     EMBEDDING,
     FINAL_NORM,
@@ -146,8 +146,7 @@ def hf_to_megatron(name: str, hf_tensors: Mapping[str, torch.Tensor], cfg: Model
     name = canonical_name(name)
     srcs = [hf_tensors[n] for n in hf_names_for(name, cfg)]
     if name in (EMBEDDING, OUTPUT):
-        rows = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp_size)
-        return pad_vocab(srcs[0][: cfg.vocab_size], rows)
+        return pad_vocab(srcs[0], cfg, tp_size)
     _, suffix = split_layer_name(name)
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         q, k, v = srcs

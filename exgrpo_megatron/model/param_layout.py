@@ -17,7 +17,7 @@ r, r + TP, ... (megatron tensor_parallel/layers.py). Column-parallel (linear_qkv
 output_layer): dim 0, stride 1 - linear_qkv rows are interleaved per query group, so a dim-0 chunk
 gives each rank whole groups; SwiGLU linear_fc1 = [gate; up]: dim 0, stride 2 (rank r holds
 [gate_r; up_r]); row-parallel (linear_proj, linear_fc2): dim 1; norms are replicated. The
-vocabulary (embedding, output_layer) is padded as `model.builder.padded_vocab_size` pads it.
+vocabulary (embedding, output_layer) is padded as `config.derived.padded_vocab_size` pads it.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from exgrpo_megatron.config.derived import padded_vocab_size
 from exgrpo_megatron.config.schema import ModelConfig
-from exgrpo_megatron.model.builder import padded_vocab_size
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -201,10 +201,13 @@ def tp_full_shape(shape: Sequence[int], split: TPSplit | None, tp_size: int) -> 
     return tuple(full)
 
 
-def pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """First `rows` rows of `t`, zero-padded when `t` has fewer."""
-    if t.shape[0] >= rows:
-        return t[:rows]
+def pad_vocab(t: torch.Tensor, cfg: ModelConfig, tp_size: int) -> torch.Tensor:
+    """The real vocabulary rows of `t` (the first `cfg.vocab_size`), zero-padded to the builder's padded size
+    for `tp_size` (`padded_vocab_size`)."""
+    rows = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp_size)
+    t = t[: cfg.vocab_size]  # rows >= vocab_size: padding only appends
+    if t.shape[0] == rows:
+        return t
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])], dim=0)
 
 
@@ -213,8 +216,7 @@ def split_for_tp(name: str, full_tensor: torch.Tensor, tp_size: int, cfg: ModelC
     them; the vocabulary is first re-padded to the builder's padded size."""
     name = canonical_name(name)
     if name in VOCAB_PARALLEL:
-        rows = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp_size)
-        full_tensor = pad_vocab(full_tensor[: cfg.vocab_size], rows)
+        full_tensor = pad_vocab(full_tensor, cfg, tp_size)
     elif name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         if cfg.num_query_groups % tp_size:  # a rank must hold whole query groups
             raise ValueError(f"TP={tp_size} does not divide the {cfg.num_query_groups} KV heads (query groups)")
