@@ -63,6 +63,21 @@ def sleep_mode_available() -> bool:
     return bool(current_platform.is_sleep_mode_available())
 
 
+def scheduler_kwargs(max_model_len: int | None) -> dict[str, Any]:
+    """vLLM scheduler settings this platform needs for seeded sampling.
+
+    vLLM rewinds a seeded request's generator (`Generator.set_offset`) when it discards the token sampled
+    after a partial (chunked) prefill; CPU generators have no offset ("CPU Generator does not use offset"),
+    so on the CPU build a batch whose prompts exceed `max_num_batched_tokens` crashed mid-generate. There,
+    prefill is not chunked and the token budget holds at least one whole sequence.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len or 0, 2048)}
+
+
 def finish_reason_from_vllm(finish_reason: str | None, stop_reason: int | str | None) -> FinishReason:
     """vLLM: "length" | "stop" with stop_reason None (EOS), an int (stop token) or a str (stop string)."""
     if finish_reason == "length":
@@ -103,7 +118,7 @@ class VLLMRolloutEngine:
                         "(the engine keeps its weights and KV cache while the policy trains)")
         tp = ps.get_tensor_model_parallel_world_size()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = scheduler_kwargs(max_model_len)
         if world > 1:
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)
         else:
