@@ -10,9 +10,12 @@ Protocol (preset `conf/fidelity_cpu.yaml`; every variant is a list of config ove
   and T=1.0);
 * ablations (`ABLATIONS`): at ExGRPO's best rate, `--ablation-seeds` (>= 3) seeds each;
 * stability: both arms at `--stability-lr-factor` x the largest swept rate, `--ablation-seeds` seeds.
-A run lives in `<root>/<variant>_lr<lr>_seed<seed>/`; it is skipped when its test_eval.json exists, resumed from
-its newest checkpoint when it was interrupted (checkpoint.resume=auto). Runs of one seed share the cached
-supervised warm start: only one of them trains it, the others wait for the cache. Analysis: bench/fidelity_analysis.py.
+A run lives in `<root>/<variant>_lr<lr>_seed<seed>/` (git-ignored: checkpoints, logs); when it finishes, its record
+(config.yaml, metrics.jsonl, test_eval.json) is copied to `--records` (bench/results/fidelity_runs/, committed), and
+a run with a record is never re-run, so the grid advances across sessions and machines. An interrupted run resumes
+from its newest checkpoint (checkpoint.resume=auto). The analysis (bench/fidelity_analysis.py) reads the records
+only. Runs of one seed share the cached supervised warm start (in <root>: rebuilt, identically, on a fresh machine):
+only one of them trains it, the others wait for the cache.
 
     .venv/bin/python bench/exgrpo_vs_grpo.py --plan                # runs, status, estimated CPU time
     .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 2  # then final, ablation, stability
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
+import fidelity_analysis as fa  # noqa: E402  (bench/, put on the path above)
 
 ARMS: dict[str, list[str]] = {"exgrpo": [], "grpo": ["algo.name=grpo"]}
 # The paper's Tab. 6 / Tab. 3 ablations (ExGRPO arm, rho = 0.5 is the full method).
@@ -57,6 +62,7 @@ class Run:
     lr: float
     seed: int
     run_dir: str
+    record_dir: str  # the finished run's committed record (RECORD_FILES)
 
     @property
     def overrides(self) -> list[str]:
@@ -64,11 +70,16 @@ class Run:
 
     @property
     def done(self) -> bool:
-        return os.path.isfile(os.path.join(self.run_dir, "test_eval.json"))
+        return os.path.isfile(os.path.join(self.record_dir, "test_eval.json"))
+
+    def keep_record(self) -> None:
+        """Copy a finished run's record (test_eval.json last: its presence marks the record complete)."""
+        os.makedirs(self.record_dir, exist_ok=True)
+        for name in RECORD_FILES:
+            shutil.copyfile(os.path.join(self.run_dir, name), os.path.join(self.record_dir, name))
 
 
-def run_dir(root: str, variant: str, lr: float, seed: int) -> str:
-    return os.path.join(root, f"{variant}_lr{lr:g}_seed{seed}")
+RECORD_FILES = ("config.yaml", "metrics.jsonl", "test_eval.json")
 
 
 def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> list[Run]:
@@ -79,8 +90,8 @@ def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> lis
         if lr is None:
             return
         for seed in seeds:
-            d = run_dir(args.root, variant, lr, seed)
-            runs.setdefault(d, Run(phase, variant, lr, seed, d))
+            d = fa.run_dir(args.root, variant, lr, seed)
+            runs.setdefault(d, Run(phase, variant, lr, seed, d, fa.run_dir(args.records, variant, lr, seed)))
 
     for phase in args.phase:
         for arm in ARMS:
@@ -101,6 +112,7 @@ def train_argv(args: argparse.Namespace, run: Run) -> list[str]:
     return [sys.executable, "-m", "exgrpo_megatron.train", "--config-name", args.config_name, f"seed={run.seed}",
             f"optim.lr={run.lr:g}", f"logging.run_dir={run.run_dir}", "logging.tensorboard=false",
             "logging.progress_bar=false", "checkpoint.resume=auto", f"trainer.sft_cache_dir={args.sft_cache}",
+            f"trainer.train_threads={args.threads}",  # auto would take every core in each of --jobs runs
             *args.override, *run.overrides]
 
 
@@ -126,6 +138,9 @@ def free_port() -> int:
 
 def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
     """Run the pending runs (train, then test evaluation) `--jobs` at a time; returns failures."""
+    for run in runs:  # finished here before records existed (or before an interrupted copy)
+        if not run.done and os.path.isfile(os.path.join(run.run_dir, "test_eval.json")):
+            run.keep_record()
     pending = [r for r in runs if not r.done]
     ready = {seed: warm_start_ready(args, seed) for seed in {r.seed for r in pending}}
     warming: set[int] = set()
@@ -158,6 +173,8 @@ def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
                       file=sys.stderr)
                 if proc.returncode != 0:
                     failed.append(f"{key} rc={proc.returncode} (log {key}/bench.log)")
+                else:
+                    finished.keep_record()
                 del running[key]
                 seed = finished.seed
                 if not os.path.isfile(ready[seed]):  # its warm start failed: the seed's other runs cannot start
@@ -192,6 +209,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config-name", default="fidelity_cpu")
     p.add_argument("--root", default=os.path.join(REPO, "runs", "bench_fidelity"))
+    p.add_argument("--records", default=os.path.join(HERE, "results", "fidelity_runs"),
+                   help="finished runs' records (committed); the analysis reads these")
     p.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--lrs", type=float, nargs="+", default=[2.5e-5, 5e-5, 1e-4])
     p.add_argument("--sweep-seeds", type=int, nargs="+", default=[1, 2])
@@ -212,6 +231,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-png", default=os.path.join(HERE, "results", "exgrpo_vs_grpo_fidelity.png"))
     args = p.parse_args(argv)
     args.root = os.path.abspath(args.root)
+    args.records = os.path.abspath(args.records)
     args.sft_cache = os.path.join(args.root, "sft_cache")
     if len(args.lrs) < 3 or len(args.seeds) < 5 or len(args.ablation_seeds) < 3:
         print("[bench] note: fewer than 3 rates / 5 final seeds / 3 ablation seeds is below the issue-15 protocol",
@@ -220,12 +240,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import fidelity_analysis as fa
-
     args = parse(argv)
-    best = fa.best_learning_rates(args.root, list(ARMS), args.lrs, args.sweep_seeds)
+    best = fa.best_learning_rates(args.records, list(ARMS), args.lrs, args.sweep_seeds)
     runs = plan_runs(args, {arm: b["lr"] if b else None for arm, b in best.items()})
-    step_s = args.step_seconds or fa.median_step_seconds(args.root) or 6.0
+    step_s = args.step_seconds or fa.median_step_seconds(args.records) or 6.0
     if args.plan:
         for r in runs:
             state = "done" if r.done else ("partial" if os.path.isdir(r.run_dir) else "todo")
@@ -241,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"seconds_per_step": step_s, **estimate_cpu_s(args, runs, step_s, unplanned)}))
         return 0
     failed = [] if args.analyse_only else execute(args, runs)
-    summary = fa.analyse(args.root, ARMS, ABLATIONS, best, args.seeds, args.ablation_seeds, args.threshold,
+    summary = fa.analyse(args.records, ARMS, ABLATIONS, best, args.seeds, args.ablation_seeds, args.threshold,
                          args.lrs, args.stability_lr_factor, args.out_png)
     summary.update(command=shlex.join(["bench/exgrpo_vs_grpo.py", *(argv if argv is not None else sys.argv[1:])]),
                    config_name=args.config_name, arm_overrides=ARMS, ablation_overrides=ABLATIONS, lrs=args.lrs,

@@ -158,7 +158,8 @@ def test_every_bench_variant_is_a_valid_config_override():
 
 def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     bench = _bench_module()
-    args = bench.parse(["--root", str(tmp_path), "--phase", "sweep", "final", "ablation", "stability"])
+    args = bench.parse(["--root", str(tmp_path / "runs"), "--records", str(tmp_path / "records"),
+                        "--phase", "sweep", "final", "ablation", "stability"])
     best = {"exgrpo": 5e-5, "grpo": 1e-4}
     runs = bench.plan_runs(args, best)
     dirs = [r.run_dir for r in runs]
@@ -172,7 +173,11 @@ def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     assert {r.lr for r in by_phase["stability"]} == {max(args.lrs) * args.stability_lr_factor}
     run = by_phase["final"][0]
     assert not run.done
-    (tmp_path / Path(run.run_dir).name).mkdir()
-    (tmp_path / Path(run.run_dir).name / "test_eval.json").write_text("{}")
-    assert run.done  # an existing run is not re-run
+    Path(run.run_dir).mkdir(parents=True)
+    for name in bench.RECORD_FILES:
+        (Path(run.run_dir) / name).write_text(name)
+    assert not run.done  # finished, but its record is not kept yet
+    run.keep_record()
+    assert run.done  # a run with a committed record is not re-run (in any later checkout)
+    assert (tmp_path / "records" / Path(run.run_dir).name / "metrics.jsonl").read_text() == "metrics.jsonl"
     assert bench.plan_runs(args, {"exgrpo": None, "grpo": None}) == by_phase["sweep"] + by_phase["stability"]
