@@ -240,18 +240,14 @@ def generation_stop_ids(hf_dir: str | None, eos_token_id: int | None) -> list[in
 
 def resolve_model_path(path: str) -> tuple[str, str]:
     """("hf", dir) for a directory with config.json + weights, else ("megatron", step dir)."""
-    from exgrpo_megatron.checkpoint.layout import checkpoints_dir, find_latest
+    from exgrpo_megatron.checkpoint.layout import newest_if_run_dir
     from exgrpo_megatron.convert.megatron_to_hf import resolve_checkpoint
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"--model {path!r} does not exist")
     if os.path.isfile(os.path.join(path, "config.json")):
         return "hf", path
-    if checkpoints_dir(path).is_dir():
-        latest = find_latest(path)
-        if latest is None:
-            raise FileNotFoundError(f"{path}: run directory without a complete checkpoint")
-        path = str(latest)
+    path = newest_if_run_dir(path)
     model_dir, _ = resolve_checkpoint(path)
     if os.path.basename(os.path.normpath(model_dir)) != "model":
         raise FileNotFoundError(f"{path}: expected a step dir with model/ and model_config.yaml")

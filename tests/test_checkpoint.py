@@ -306,6 +306,12 @@ def test_errors_retention_and_latest_pointer(tmp_path):
     assert resolve_resume(tmp_path / "elsewhere", str(run_dir)) == ckpt_dir / "step_00000003"
     with pytest.raises(FileNotFoundError):
         resolve_resume(run_dir, str(ckpt_dir / ".tmp_step_00000009"))
+    # evaluate.py and tools/convert_megatron_to_hf.py take a run dir: its newest complete checkpoint
+    assert L.newest_if_run_dir(str(run_dir)) == str(ckpt_dir / "step_00000003")
+    assert L.newest_if_run_dir(str(ckpt_dir / "step_00000002")) == str(ckpt_dir / "step_00000002")
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="without a complete checkpoint"):
+        L.newest_if_run_dir(str(tmp_path / "empty_run"))
 
 
 def _start_script(mode: str, run_dir: Path, rank: int = 0, world: int = 1, port: int | None = None):

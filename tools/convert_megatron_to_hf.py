@@ -2,14 +2,16 @@
 
     python tools/convert_megatron_to_hf.py CKPT OUT_DIR [--dtype bf16|fp32] [--tokenizer DIR] [--shard-size-gb 5]
 
-CKPT: a run's `checkpoints/` dir (its `latest` is followed), a step dir (`model/` + `model_config.yaml`) or a
-converted checkpoint dir. Runs on CPU, reads the sharded checkpoint tensor by tensor, any saved TP/PP/DP.
+CKPT: a run dir (its newest complete checkpoint), a run's `checkpoints/` dir (its `latest` is followed), a step
+dir (`model/` + `model_config.yaml`) or a converted checkpoint dir. Runs on CPU, reads the sharded checkpoint
+tensor by tensor, any saved TP/PP/DP.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from exgrpo_megatron.checkpoint.layout import newest_if_run_dir
 from exgrpo_megatron.convert.megatron_to_hf import convert_megatron_to_hf
 
 
@@ -25,8 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-config", default=None, help="model_config.yaml when CKPT has none")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    files = convert_megatron_to_hf(args.ckpt, args.out_dir, args.dtype, args.tokenizer, args.shard_size_gb,
-                                   args.model_config, progress=not args.no_progress)
+    files = convert_megatron_to_hf(newest_if_run_dir(args.ckpt), args.out_dir, args.dtype, args.tokenizer,
+                                   args.shard_size_gb, args.model_config, progress=not args.no_progress)
     print(f"wrote {args.out_dir}: {len(files)} safetensors file(s)")
 
 

@@ -65,6 +65,18 @@ def find_latest(run_dir: str | Path) -> Path | None:
     return candidates[-1] if candidates else None
 
 
+def newest_if_run_dir(path: str) -> str:
+    """A run directory (one with `checkpoints/`) -> its newest complete checkpoint; any other path unchanged.
+    How the tools that take "a run, a checkpoints dir or a step dir" (evaluate.py, convert_megatron_to_hf.py)
+    pick a run's checkpoint."""
+    if not checkpoints_dir(path).is_dir():
+        return path
+    latest = find_latest(path)
+    if latest is None:
+        raise FileNotFoundError(f"{path}: run directory without a complete checkpoint")
+    return str(latest)
+
+
 def resume_candidates(run_dir: str | Path, resume: str) -> tuple[list[Path], bool]:
     """`checkpoint.resume` -> (checkpoints to try, newest first; explicit). "auto": this run's complete
     checkpoints; "none": nothing; a checkpoint dir: just it (explicit: no fallback); a run or checkpoints
