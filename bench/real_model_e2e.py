@@ -35,7 +35,8 @@ RESULTS_JSON = os.path.join(HERE, "results", "real_model_e2e.json")
 RESULTS_PNG = os.path.join(HERE, "results", "real_model_e2e.png")
 VAL = os.path.join(REPO, "data", "word_problems", "val.jsonl")
 EVAL_TOKENS = 64
-STEP_KEYS = {"reward": "reward/mean", "generate_s": "time/generate", "refit_s": "time/refit",
+STEP_KEYS = {"reward": "reward/mean", "fresh_reward": "reward/fresh_mean", "replayed": "experience/n_replayed",
+             "generate_s": "time/generate", "refit_s": "time/refit",
              "reward_s": "time/reward", "train_s": "time/train", "step_s": "time/step",
              "logprob_ratio": "mismatch/token_mult_prob_error", "response_length": "response_length/mean"}
 
@@ -105,14 +106,14 @@ def train_arm(arm: str, args: argparse.Namespace, hf_dir: str, ckpt: str) -> dic
     run_dir, log = os.path.join(arm_dir, "run"), os.path.join(arm_dir, "stages.log")
     extra = (["rollout.vllm.enforce_eager=true", f"rollout.vllm.gpu_memory_utilization={args.vllm_memory}"]
              if arm == "vllm" else [])
-    train_s = run(["-m", "exgrpo_megatron.train", "--config-name", "smollm2_word_problems",
+    run(["-m", "exgrpo_megatron.train", "--config-name", "smollm2_word_problems",
                    f"checkpoint.init_from={ckpt}", f"rollout.engine={arm}", f"logging.run_dir={run_dir}",
                    f"trainer.total_steps={args.steps}", f"checkpoint.save_every={args.save_every}",
                    "checkpoint.resume=auto", *extra], log, python)
     export = os.path.join(arm_dir, "hf_export")
     if not os.path.isfile(os.path.join(export, "config.json")):
         run(["tools/convert_megatron_to_hf.py", run_dir, export, "--dtype", "fp32"], log)
-    result = {"arm": arm, "train_wall_s": train_s, "steps": load_steps(run_dir),
+    result = {"arm": arm, "steps": load_steps(run_dir),
               "eval_after": evaluate(export, hf_dir, os.path.join(arm_dir, "eval"), arm, python, log)}
     with open(done, "w") as f:
         json.dump(result, f, indent=1)
@@ -148,6 +149,8 @@ def summarize(arm: dict) -> dict:
 
     return {"steps": n, "mean_generate_s": mean("generate_s"), "mean_refit_s": mean("refit_s"),
             "mean_reward_s": mean("reward_s"), "mean_train_s": mean("train_s"), "mean_step_s": mean("step_s"),
+            "total_step_s": sum(s["step_s"]), "fresh_reward_first5": sum(s["fresh_reward"][:5]) / max(min(n, 5), 1),
+            "fresh_reward_last5": sum(s["fresh_reward"][-5:]) / max(min(n, 5), 1),
             "rollout_tokens_per_s": mean("rollout_tokens_per_s"), "max_abs_logprob_ratio_minus_1":
             max((abs(x - 1.0) for x in s["logprob_ratio"]), default=0.0),
             "reward_first5": sum(s["reward"][:5]) / max(min(n, 5), 1),
@@ -163,11 +166,12 @@ def plot(results: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for arm, r in results["arms"].items():
         s = r["steps"]
-        axes[0].plot(s["step"], s["reward"], label=arm)
+        axes[0].plot(s["step"], s["fresh_reward"], label=f"{arm} fresh")
+        axes[0].plot(s["step"], s["reward"], ":", label=f"{arm} batch (with replays)")
         axes[1].plot(s["step"], s["logprob_ratio"], label=arm)
         for key, style in (("generate_s", "-"), ("train_s", "--"), ("refit_s", ":"), ("reward_s", "-.")):
             axes[2].plot(s["step"], s[key], style, label=f"{arm} {key[:-2]}")
-    for ax, title in zip(axes, ("reward/mean (train batch)", "rollout/trainer log-prob ratio", "seconds per step"),
+    for ax, title in zip(axes, ("train reward (T=0.6)", "rollout/trainer log-prob ratio", "seconds per step"),
                          strict=True):
         ax.set_title(title)
         ax.set_xlabel("step")

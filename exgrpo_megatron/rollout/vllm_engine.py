@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from exgrpo_megatron.convert.hf_tokenizer import has_tokenizer
@@ -123,6 +124,10 @@ class VLLMRolloutEngine:
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)
         else:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the refit iterator
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op ("not allowed after the thread binding",
+        # which its multi-process executor does; in-process nothing is bound); kept, the policy's passes would
+        # silently run on one thread (trainer.train_threads ignored, the train phase 2x slower on 2 cores).
+        set_num_threads = torch.set_num_threads
         self.llm = LLM(
             model=hf_dir,
             tensor_parallel_size=tp,
@@ -137,6 +142,7 @@ class VLLMRolloutEngine:
             skip_tokenizer_init=not self.has_tokenizer,  # prompts and outputs are token ids
             **kwargs,
         )
+        torch.set_num_threads = set_num_threads
         self._asleep = False
         self.tokens_per_second = 0.0
         self.refit_seconds_total = 0.0  # time spent refitting, summed over refits

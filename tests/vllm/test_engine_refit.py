@@ -19,6 +19,7 @@ def refit_case(tp: int, pp: int, hf_dir: str) -> dict:
     from exgrpo_megatron.config.schema import DataConfig, ParallelConfig, RootConfig, TrainerConfig
     from exgrpo_megatron.data.tokenizer import CharTokenizer
     from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.distributed.threads import torch_threads
     from exgrpo_megatron.policy.policy import Policy
     from exgrpo_megatron.policy.train_batch import token_stats
     from exgrpo_megatron.rollout.factory import build_rollout_engine
@@ -36,6 +37,9 @@ def refit_case(tp: int, pp: int, hf_dir: str) -> dict:
     common = dict(vllm=TEST_VLLM, hf_dir=hf_dir, seed=0, max_model_len=96, max_batch_sequences=16)
     vllm = build_rollout_engine("vllm", policy.modules[0], cfg.model, tok,
                                 weights_version=lambda: policy.weights_version, **common)
+    wanted = torch.get_num_threads() + 1
+    with torch_threads(wanted):  # how the policy's passes get trainer.train_threads
+        train_threads_applied = torch.get_num_threads() == wanted
     megatron = build_rollout_engine("megatron", policy.modules[0], cfg.model, tok, **common)
     prompts = [tok.encode(p) for p in PROMPTS]
     greedy = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=1, seed=1)
@@ -55,7 +59,8 @@ def refit_case(tp: int, pp: int, hf_dir: str) -> dict:
     diffs = [float((torch.tensor(s.logprobs, dtype=torch.float64) - r.double()).abs().max())
              for s, r in zip(samples, ref, strict=True)]
     return {"before": before, "vllm_greedy": v_greedy, "megatron_greedy": m_greedy, "max_logprob_diff": max(diffs),
-            "n_tokens": sum(len(s.response_ids) for s in samples), "can_sleep": vllm.can_sleep}
+            "n_tokens": sum(len(s.response_ids) for s in samples), "can_sleep": vllm.can_sleep,
+            "train_threads_applied": train_threads_applied}
 
 
 def _check(result: dict) -> None:
@@ -70,6 +75,8 @@ def test_refit_tp1(tiny_hf_dir):
     result = run_on_ranks(refit_case, world_size=1, args=(1, 1, tiny_hf_dir))[0]
     _check(result)
     assert result["can_sleep"] is False  # the CPU platform: built without sleep mode, sleep/wake no-ops
+    # vLLM's CPU worker disables torch.set_num_threads; the engine restores it for the policy's passes
+    assert result["train_threads_applied"]
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
