@@ -156,7 +156,8 @@ def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
                 warming.add(run.seed)
             os.makedirs(run.run_dir, exist_ok=True)
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MASTER_PORT=str(free_port()),
-                       HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
+                       HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                       PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
             for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
                 env.pop(var, None)
             script = f"{shlex.join(train_argv(args, run))} && {shlex.join(eval_argv(run))}"

@@ -127,6 +127,11 @@ def build_gpt_model(
         rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+    # The local spec's torch norms are created in fp32 whatever params_dtype says; a bf16 model with fp32 norms
+    # breaks megatron's Float16 optimizer, whose checkpoint maps state to params assuming every one is 16-bit.
+    for p in model.parameters():
+        if p.dtype != tcfg.params_dtype:
+            p.data = p.data.to(tcfg.params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -46,7 +46,7 @@ def make_scorer(policy: Policy, max_tokens: int, dataset: PromptDataset,
             out_ent[i].append(float(mean_token_entropy(h.double(), response)))
             out_nll[i].append(float(mean_token_nll(lp.double(), response)))
             if at is not None:
-                out_lp[i].append(at.float().numpy())
+                out_lp[i].append(at.float().cpu().numpy())
         keep = logprob_temperature is not None
         return [CandidateScores(np.array(e), np.array(n), lp if keep else None)
                 for e, n, lp in zip(out_ent, out_nll, out_lp, strict=True)]

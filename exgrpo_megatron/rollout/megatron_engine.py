@@ -268,7 +268,7 @@ class MegatronRolloutEngine:
             if len(keep) < len(active):  # drop finished rows from the decode batch
                 index = torch.tensor(keep, device=device)
                 stage.select_rows(index)
-                valid, new_tokens = valid[index], new_tokens[index]
+                valid, new_tokens = valid[index], new_tokens[keep]  # new_tokens lives on the CPU
                 active = [active[k] for k in keep]
             position = prompt_len + step
             valid[:, position] = True
