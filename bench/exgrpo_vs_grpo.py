@@ -214,7 +214,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="finished runs' records (committed); the analysis reads these")
     p.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--lrs", type=float, nargs="+", default=[2.5e-5, 5e-5, 1e-4])
-    p.add_argument("--sweep-seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--sweep-seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5],
+                   help="the sweep runs every final seed: the final numbers are its runs at the chosen rates")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--ablation-seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--stability-lr-factor", type=float, default=3.0,

@@ -115,25 +115,45 @@ def summarize(runs: list[dict], threshold: float) -> dict:
     return out
 
 
+def paired_difference(a: dict[int, dict], b: dict[int, dict]) -> dict:
+    """Mean and 95% CI over the seeds both have of (a - b) per test key and final validation accuracy. A seed's
+    runs share their warm start, so the seed-to-seed spread of the start (larger than the effect) cancels."""
+    seeds = sorted(s for s in set(a) & set(b) if "test" in a[s] and "test" in b[s])
+    out = {key: ci95([a[s]["test"][key] - b[s]["test"][key] for s in seeds]) for key in TEST_KEYS}
+    vals = [(final_val(a[s]), final_val(b[s])) for s in seeds]
+    out["final_val"] = ci95([x - y for x, y in vals if x is not None and y is not None])
+    out["seeds"] = seeds
+    return out
+
+
+def _runs_by_seed(root: str, variant: str, lr: float, seeds: list[int]) -> dict[int, dict]:
+    return {s: r for s in seeds if (r := load_run(run_dir(root, variant, lr, s)))}
+
+
 def analyse(root: str, arms: dict, ablations: dict, best: dict, seeds: list[int], ablation_seeds: list[int],
             threshold: float, lrs: list[float], stability_factor: float, png: str) -> dict:
     result: dict = {"protocol_note": __doc__.strip().splitlines()[0], "threshold_val_acc": threshold,
-                    "best_lr": best, "arms": {}, "ablations": {}, "stability": {}}
+                    "best_lr": best, "arms": {}, "paired": {}, "ablations": {}, "stability": {}}
     curves: dict[str, list[dict]] = {}
+    by_seed: dict[str, dict[int, dict]] = {}
     for arm in arms:
         if best.get(arm):
-            runs = [r for s in seeds if (r := load_run(run_dir(root, arm, best[arm]["lr"], s)))]
+            by_seed[arm] = _runs_by_seed(root, arm, best[arm]["lr"], seeds)
+            runs = list(by_seed[arm].values())
             result["arms"][arm] = {"lr": best[arm]["lr"], **summarize(runs, threshold)}
             curves[arm] = runs
         high = max(lrs) * stability_factor
-        runs = [r for s in ablation_seeds if (r := load_run(run_dir(root, arm, high, s)))]
+        runs = list(_runs_by_seed(root, arm, high, ablation_seeds).values())
         if runs:
             result["stability"][arm] = {"lr": high, **summarize(runs, threshold)}
+    if "exgrpo" in by_seed and "grpo" in by_seed:
+        result["paired"]["exgrpo - grpo"] = paired_difference(by_seed["exgrpo"], by_seed["grpo"])
     if best.get("exgrpo"):
         for name in ablations:
-            runs = [r for s in ablation_seeds if (r := load_run(run_dir(root, name, best["exgrpo"]["lr"], s)))]
-            if runs:
-                result["ablations"][name] = summarize(runs, threshold)
+            runs_by_seed = _runs_by_seed(root, name, best["exgrpo"]["lr"], ablation_seeds)
+            if runs_by_seed:
+                result["ablations"][name] = {**summarize(list(runs_by_seed.values()), threshold),
+                                             "minus_full": paired_difference(runs_by_seed, by_seed["exgrpo"])}
     if curves:
         plot(curves, png)
         result["png"] = os.path.relpath(png, os.path.dirname(os.path.dirname(png)))
@@ -201,3 +221,8 @@ def print_tables(summary: dict) -> None:
         for name, row in summary.get(section, {}).items():
             print(f"{(name if section != 'stability' else name + ' (high lr)'):30s}"
                   + "".join(f"{_fmt(row.get(c, {})):>28s}" for c in cols))
+    print("paired differences (same seeds, same warm start):")
+    rows = dict(summary.get("paired", {}))
+    rows.update({f"{name} - exgrpo": row["minus_full"] for name, row in summary.get("ablations", {}).items()})
+    for name, row in rows.items():
+        print(f"{name:30s}" + "".join(f"{_fmt(row.get(c, {})):>28s}" for c in cols[:4]))

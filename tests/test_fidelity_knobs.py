@@ -159,7 +159,7 @@ def test_every_bench_variant_is_a_valid_config_override():
 def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     bench = _bench_module()
     args = bench.parse(["--root", str(tmp_path / "runs"), "--records", str(tmp_path / "records"),
-                        "--phase", "sweep", "final", "ablation", "stability"])
+                        "--phase", "sweep", "final", "ablation", "stability", "--sweep-seeds", "1", "2"])
     best = {"exgrpo": 5e-5, "grpo": 1e-4}
     runs = bench.plan_runs(args, best)
     dirs = [r.run_dir for r in runs]
@@ -181,3 +181,26 @@ def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     assert run.done  # a run with a committed record is not re-run (in any later checkout)
     assert (tmp_path / "records" / Path(run.run_dir).name / "metrics.jsonl").read_text() == "metrics.jsonl"
     assert bench.plan_runs(args, {"exgrpo": None, "grpo": None}) == by_phase["sweep"] + by_phase["stability"]
+
+
+def test_paired_difference_is_the_per_seed_mean_with_a_t_interval():
+    """The headline statistic: (a - b) per seed (runs of a seed share their warm start), mean +- t * s / sqrt(n),
+    over the seeds both arms finished; an independent float64 reference."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import fidelity_analysis as fa
+
+    def run(greedy: float, val: float) -> dict:
+        return {"test": {"greedy": greedy, "avg@8_T0.6": greedy / 2, "avg@8_T1": greedy / 4},
+                "val": [(100, 0.0, val)], "steps": [100], "total_steps": 100}
+
+    a = {1: run(0.60, 0.5), 2: run(0.40, 0.4), 3: run(0.75, 0.7), 4: run(0.9, 0.9)}
+    b = {1: run(0.62, 0.6), 2: run(0.43, 0.3), 3: run(0.76, 0.7), 5: run(0.1, 0.1)}  # seeds 4, 5 unpaired
+    out = fa.paired_difference(a, b)
+    diffs = np.array([-0.02, -0.03, -0.01])
+    half = 4.303 * diffs.std(ddof=1) / math.sqrt(3)  # t_{0.975, 2}
+    assert out["seeds"] == [1, 2, 3]
+    assert out["greedy"]["n"] == 3
+    assert out["greedy"]["mean"] == pytest.approx(diffs.mean(), abs=1e-12)
+    assert out["greedy"]["ci95"] == pytest.approx(half, abs=1e-12)
+    assert out["avg@8_T1"]["mean"] == pytest.approx(diffs.mean() / 4, abs=1e-12)
+    assert out["final_val"]["mean"] == pytest.approx(np.mean([-0.1, 0.1, 0.0]), abs=1e-12)
