@@ -267,9 +267,12 @@ def main(argv: list[str] | None = None) -> int:
                    config_name=args.config_name, arm_overrides=ARMS, ablation_overrides=ABLATIONS, lrs=args.lrs,
                    sweep_seeds=args.sweep_seeds, seeds=args.seeds, ablation_seeds=args.ablation_seeds,
                    failed_runs=failed, cpu_count=os.cpu_count(), loadavg=os.getloadavg())
+    summary["markdown"] = fa.markdown_tables(summary)  # README-ready; also written beside the JSON as .md
     os.makedirs(os.path.dirname(args.out_json), exist_ok=True)
     with open(args.out_json, "w") as fh:
         json.dump(summary, fh, indent=1)
+    with open(os.path.splitext(args.out_json)[0] + ".md", "w") as fh:
+        fh.write(summary["markdown"] + "\n")
     fa.print_tables(summary)
     print(f"wrote {args.out_json} and {args.out_png}" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0

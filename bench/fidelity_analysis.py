@@ -19,6 +19,12 @@ CURVES = ("val", "entropy/mean", "replay/token_fraction", "replay/is_weight_mean
           "replay/shaped_weight_mean", "reward/fresh_mean")
 
 
+# The paper's Qwen2.5-Math-7B in-distribution averages (Tab. 6 / Tab. 3; shared/docs/exgrpo_algorithm.md §5).
+PAPER_ID_AVG = {"exgrpo": 48.3, "no_question_selection": 46.7, "random_trajectory": 46.3,
+                "highest_entropy_trajectory": 46.0, "no_policy_shaping": 41.2, "no_is_correction": 47.1,
+                "rho_0.25": 46.4, "rho_0.75": 44.8}
+
+
 def run_dir(root: str, variant: str, lr: float, seed: int) -> str:
     return os.path.join(root, f"{variant}_lr{lr:g}_seed{seed}")
 
@@ -226,3 +232,40 @@ def print_tables(summary: dict) -> None:
     rows.update({f"{name} - exgrpo": row["minus_full"] for name, row in summary.get("ablations", {}).items()})
     for name, row in rows.items():
         print(f"{name:30s}" + "".join(f"{_fmt(row.get(c, {})):>28s}" for c in cols[:4]))
+
+
+def _md(ms: dict | None, signed: bool = False) -> str:
+    """A fraction's mean ± 95% CI in points; `signed` for differences."""
+    if not ms or ms.get("mean") is None:
+        return "n/a"
+    ci = f" ± {ms['ci95'] * 100:.1f}" if ms.get("ci95") is not None else ""
+    return f"{ms['mean'] * 100:{'+' if signed else ''}.1f}{ci}"
+
+
+def markdown_tables(summary: dict) -> str:
+    """README tables (accuracy in points, mean ± 95% CI over seeds): the arms, their paired difference, the
+    ablations beside the paper's numbers, the high-learning-rate runs."""
+    keys = ("greedy", "avg@8_T0.6", "avg@8_T1", "final_val")
+    head = "| greedy | avg@8 T=0.6 | avg@8 T=1.0 | val (final) |"
+    rule = "|---|---" + "|---" * len(keys) + "|"
+    lines = ["| arm (lr) | seeds " + head, rule]
+    for arm, row in summary.get("arms", {}).items():
+        cells = " | ".join(_md(row[k]) for k in keys)
+        lines.append(f"| {arm} ({row['lr']:g}) | {row['greedy']['n']} | {cells} |")
+    for name, row in summary.get("paired", {}).items():
+        cells = " | ".join(_md(row[k], signed=True) for k in keys)
+        lines.append(f"| **{name}** (paired) | {len(row['seeds'])} | {cells} |")
+    if summary.get("ablations"):
+        lines += ["", "| variant | seeds | greedy | minus full ExGRPO (paired) | avg@8 T=1.0 | minus full (paired) "
+                  "| paper ID avg (minus full) |", "|---|---|---|---|---|---|---|"]
+        for name, row in summary["ablations"].items():
+            d, paper = row["minus_full"], PAPER_ID_AVG.get(name)
+            ref = f"{paper:.1f} ({paper - PAPER_ID_AVG['exgrpo']:+.1f})" if paper is not None else "n/a"
+            lines.append(f"| {name} | {row['greedy']['n']} | {_md(row['greedy'])} | {_md(d['greedy'], signed=True)} "
+                         f"| {_md(row['avg@8_T1'])} | {_md(d['avg@8_T1'], signed=True)} | {ref} |")
+    if summary.get("stability"):
+        lines += ["", "| high learning rate | seeds " + head, rule]
+        for arm, row in summary["stability"].items():
+            cells = " | ".join(_md(row[k]) for k in keys)
+            lines.append(f"| {arm} ({row['lr']:g}) | {row['greedy']['n']} | {cells} |")
+    return "\n".join(lines)
