@@ -40,7 +40,7 @@ def load_run(path: str) -> dict | None:
     cfg = load_config("config", config_dir=path)
     per_step = cfg.trainer.train_batch_size * cfg.rollout.n
     records = sorted((r for r in read_metrics(metrics) if isinstance(r.get("step"), int)), key=lambda r: r["step"])
-    out: dict = {"steps": [], "trajectories": [], "total_steps": cfg.trainer.total_steps}
+    out: dict = {"steps": [], "trajectories": [], "total_steps": cfg.trainer.total_steps, "rollouts_per_step": per_step}
     total = 0.0
     for r in records:
         total += per_step - float(r.get("experience/n_replayed", 0.0))
@@ -161,7 +161,7 @@ def analyse(root: str, arms: dict, ablations: dict, best: dict, seeds: list[int]
                 result["ablations"][name] = {**summarize(list(runs_by_seed.values()), threshold),
                                              "minus_full": paired_difference(runs_by_seed, by_seed["exgrpo"])}
     if curves:
-        plot(curves, png)
+        plot(curves, png, paired=(by_seed["exgrpo"], by_seed["grpo"]) if result["paired"] else None)
         result["png"] = os.path.relpath(png, os.path.dirname(os.path.dirname(png)))
     return result
 
@@ -180,15 +180,36 @@ def _band(runs: list[dict], key: str) -> tuple[list[float], list[float], list[fl
     return x, [c["mean"] for c in cis], [c["ci95"] or 0.0 for c in cis]
 
 
-def plot(curves: dict[str, list[dict]], path: str) -> None:
+def paired_val_curve(a: dict[int, dict], b: dict[int, dict]) -> tuple[list[int], list[float], list[float]]:
+    """Validation steps, mean and 95% CI half-width over the common seeds of val(a) - val(b) at each step."""
+    seeds = sorted(set(a) & set(b))
+    val_a = [{step: v for step, _, v in a[s].get("val", [])} for s in seeds]
+    val_b = [{step: v for step, _, v in b[s].get("val", [])} for s in seeds]
+    steps = sorted(set.intersection(*(set(d) for d in val_a + val_b))) if seeds else []
+    cis = [ci95([va[t] - vb[t] for va, vb in zip(val_a, val_b, strict=True)]) for t in steps]
+    return steps, [c["mean"] for c in cis], [c["ci95"] or 0.0 for c in cis]
+
+
+def plot(curves: dict[str, list[dict]], path: str, paired: tuple[dict, dict] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = ("val", "entropy/mean", "replay/token_fraction", "replay/is_weight_mean", "buckets")
+    panels = ("val", "paired", "entropy/mean", "replay/token_fraction", "replay/is_weight_mean", "buckets")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     for ax, key in zip(axes, panels, strict=True):
+        if key == "paired":
+            if paired:
+                steps, mean, half = paired_val_curve(*paired)
+                budget = [t * next(iter(paired[0].values()))["rollouts_per_step"] for t in steps]
+                ax.plot(budget, mean, marker="o", color="C2")
+                ax.fill_between(budget, [m - h for m, h in zip(mean, half, strict=True)],
+                                [m + h for m, h in zip(mean, half, strict=True)], alpha=0.25, color="C2")
+                ax.axhline(0.0, color="k", lw=0.8)
+            ax.set_title("validation: ExGRPO - GRPO (paired over seeds)")
+            ax.set_xlabel("rollout budget (steps x B x K)")
+            continue
         for arm, runs in curves.items():
             if key == "buckets":
                 if arm != "exgrpo":
