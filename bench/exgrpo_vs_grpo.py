@@ -52,7 +52,10 @@ ABLATIONS: dict[str, list[str]] = {
     "rho_0.25": ["trainer.experience_ratio=0.25"],
     "rho_0.75": ["trainer.experience_ratio=0.75"],
 }
-PHASES = ("sweep", "final", "ablation", "stability")
+# Beyond the paper (issue 15, item 6): ExGRPO with its fresh tokens clipped in the mixed phase as the GRPO arm's are
+# throughout, at GRPO's best rate and the stability rate, where unclipped ExGRPO falls behind.
+DIAGNOSES: dict[str, list[str]] = {"exgrpo_mixed_clip": ["algo.mixed_phase_clip=true"]}
+PHASES = ("sweep", "final", "ablation", "stability", "diagnosis")
 
 
 @dataclass
@@ -66,7 +69,7 @@ class Run:
 
     @property
     def overrides(self) -> list[str]:
-        return {**ARMS, **ABLATIONS}[self.variant]
+        return {**ARMS, **ABLATIONS, **DIAGNOSES}[self.variant]
 
     @property
     def done(self) -> bool:
@@ -105,6 +108,10 @@ def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> lis
         if phase == "ablation":
             for name in ABLATIONS:
                 add(phase, name, best_lr["exgrpo"], args.ablation_seeds)
+        if phase == "diagnosis":
+            for name in DIAGNOSES:
+                for lr in (best_lr["grpo"], max(args.lrs) * args.stability_lr_factor):
+                    add(phase, name, lr, args.ablation_seeds)
     return list(runs.values())
 
 
@@ -262,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     failed = [] if args.analyse_only else execute(args, runs)
     summary = fa.analyse(args.records, ARMS, ABLATIONS, best, args.seeds, args.ablation_seeds, args.threshold,
-                         args.lrs, args.stability_lr_factor, args.out_png)
+                         args.lrs, args.stability_lr_factor, args.out_png, DIAGNOSES)
     summary.update(command=shlex.join(["bench/exgrpo_vs_grpo.py", *(argv if argv is not None else sys.argv[1:])]),
                    config_name=args.config_name, arm_overrides=ARMS, ablation_overrides=ABLATIONS, lrs=args.lrs,
-                   sweep_seeds=args.sweep_seeds, seeds=args.seeds, ablation_seeds=args.ablation_seeds,
+                   diagnosis_overrides=DIAGNOSES, sweep_seeds=args.sweep_seeds, seeds=args.seeds,
+                   ablation_seeds=args.ablation_seeds,
                    failed_runs=failed, cpu_count=os.cpu_count(), loadavg=os.getloadavg())
     summary["markdown"] = fa.markdown_tables(summary)  # README-ready; also written beside the JSON as .md
     os.makedirs(os.path.dirname(args.out_json), exist_ok=True)

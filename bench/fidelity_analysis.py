@@ -137,9 +137,10 @@ def _runs_by_seed(root: str, variant: str, lr: float, seeds: list[int]) -> dict[
 
 
 def analyse(root: str, arms: dict, ablations: dict, best: dict, seeds: list[int], ablation_seeds: list[int],
-            threshold: float, lrs: list[float], stability_factor: float, png: str) -> dict:
+            threshold: float, lrs: list[float], stability_factor: float, png: str,
+            diagnoses: dict | None = None) -> dict:
     result: dict = {"protocol_note": __doc__.strip().splitlines()[0], "threshold_val_acc": threshold,
-                    "best_lr": best, "arms": {}, "paired": {}, "ablations": {}, "stability": {}}
+                    "best_lr": best, "arms": {}, "paired": {}, "ablations": {}, "stability": {}, "diagnosis": {}}
     curves: dict[str, list[dict]] = {}
     by_seed: dict[str, dict[int, dict]] = {}
     for arm in arms:
@@ -160,6 +161,15 @@ def analyse(root: str, arms: dict, ablations: dict, best: dict, seeds: list[int]
             if runs_by_seed:
                 result["ablations"][name] = {**summarize(list(runs_by_seed.values()), threshold),
                                              "minus_full": paired_difference(runs_by_seed, by_seed["exgrpo"])}
+    high = max(lrs) * stability_factor
+    for name in diagnoses or {}:
+        for lr in (best["grpo"]["lr"] if best.get("grpo") else None, high):
+            runs_by_seed = _runs_by_seed(root, name, lr, ablation_seeds) if lr else {}
+            if runs_by_seed:
+                row = {"lr": lr, **summarize(list(runs_by_seed.values()), threshold)}
+                for arm in arms:
+                    row[f"minus_{arm}"] = paired_difference(runs_by_seed, _runs_by_seed(root, arm, lr, ablation_seeds))
+                result["diagnosis"][f"{name} ({lr:g})"] = row
     if curves:
         plot(curves, png, paired=(by_seed["exgrpo"], by_seed["grpo"]) if result["paired"] else None)
         result["png"] = os.path.relpath(png, os.path.dirname(os.path.dirname(png)))
@@ -284,6 +294,13 @@ def markdown_tables(summary: dict) -> str:
             ref = f"{paper:.1f} ({paper - PAPER_ID_AVG['exgrpo']:+.1f})" if paper is not None else "n/a"
             lines.append(f"| {name} | {row['greedy']['n']} | {_md(row['greedy'])} | {_md(d['greedy'], signed=True)} "
                          f"| {_md(row['avg@8_T1'])} | {_md(d['avg@8_T1'], signed=True)} | {ref} |")
+    if summary.get("diagnosis"):
+        lines += ["", "| diagnosis (lr) | seeds | greedy | minus ExGRPO, same lr (paired) "
+                  "| minus GRPO, same lr (paired) | avg@8 T=1.0 |", "|---|---|---|---|---|---|"]
+        for name, row in summary["diagnosis"].items():
+            lines.append(f"| {name} | {row['greedy']['n']} | {_md(row['greedy'])} | "
+                         f"{_md(row['minus_exgrpo']['greedy'], signed=True)} | "
+                         f"{_md(row['minus_grpo']['greedy'], signed=True)} | {_md(row['avg@8_T1'])} |")
     if summary.get("stability"):
         lines += ["", "| high learning rate | seeds " + head, rule]
         for arm, row in summary["stability"].items():

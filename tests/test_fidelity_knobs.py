@@ -149,7 +149,7 @@ def _bench_module():
 
 def test_every_bench_variant_is_a_valid_config_override():
     bench = _bench_module()
-    for name, overrides in {**bench.ARMS, **bench.ABLATIONS}.items():
+    for name, overrides in {**bench.ARMS, **bench.ABLATIONS, **bench.DIAGNOSES}.items():
         cfg = load_config("fidelity_cpu", overrides)
         assert config_errors(cfg, world_size=1) == [], name
         if name != "exgrpo":
@@ -159,7 +159,7 @@ def test_every_bench_variant_is_a_valid_config_override():
 def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     bench = _bench_module()
     args = bench.parse(["--root", str(tmp_path / "runs"), "--records", str(tmp_path / "records"),
-                        "--phase", "sweep", "final", "ablation", "stability", "--sweep-seeds", "1", "2"])
+                        "--phase", "sweep", "final", "ablation", "stability", "diagnosis", "--sweep-seeds", "1", "2"])
     best = {"exgrpo": 5e-5, "grpo": 1e-4}
     runs = bench.plan_runs(args, best)
     dirs = [r.run_dir for r in runs]
@@ -171,6 +171,8 @@ def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     assert len(by_phase["ablation"]) == len(bench.ABLATIONS) * len(args.ablation_seeds)
     assert all(r.lr == best["exgrpo"] for r in by_phase["ablation"])
     assert {r.lr for r in by_phase["stability"]} == {max(args.lrs) * args.stability_lr_factor}
+    assert {r.lr for r in by_phase["diagnosis"]} == {best["grpo"], max(args.lrs) * args.stability_lr_factor}
+    assert len(by_phase["diagnosis"]) == 2 * len(bench.DIAGNOSES) * len(args.ablation_seeds)
     run = by_phase["final"][0]
     assert not run.done
     Path(run.run_dir).mkdir(parents=True)
@@ -180,7 +182,9 @@ def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     run.keep_record()
     assert run.done  # a run with a committed record is not re-run (in any later checkout)
     assert (tmp_path / "records" / Path(run.run_dir).name / "metrics.jsonl").read_text() == "metrics.jsonl"
-    assert bench.plan_runs(args, {"exgrpo": None, "grpo": None}) == by_phase["sweep"] + by_phase["stability"]
+    high_lr_diagnosis = [r for r in by_phase["diagnosis"] if r.lr != best["grpo"]]  # needs no learning-rate choice
+    assert bench.plan_runs(args, {"exgrpo": None, "grpo": None}) == (by_phase["sweep"] + by_phase["stability"]
+                                                                      + high_lr_diagnosis)
 
 
 def test_paired_difference_is_the_per_seed_mean_with_a_t_interval():
@@ -204,3 +208,31 @@ def test_paired_difference_is_the_per_seed_mean_with_a_t_interval():
     assert out["greedy"]["ci95"] == pytest.approx(half, abs=1e-12)
     assert out["avg@8_T1"]["mean"] == pytest.approx(diffs.mean() / 4, abs=1e-12)
     assert out["final_val"]["mean"] == pytest.approx(np.mean([-0.1, 0.1, 0.0]), abs=1e-12)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_mixed_phase_clip_switch(clip):
+    """algo.mixed_phase_clip (issue-15 diagnostic), through Algorithm.loss: a fresh token whose ratio is past 1 + eps
+    with A > 0 gets the plain gradient -A rho in the paper's unclipped mixed phase and none when clipped; the replayed
+    token's f(w) gradient is the same either way; the warm-up phase clips in both settings."""
+    from exgrpo_megatron.experience.schedule import Phase
+
+    cfg = load_config("fidelity_cpu", [f"algo.mixed_phase_clip={str(clip).lower()}"])
+    algo = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    old = torch.tensor([[-1.0], [-1.0]], dtype=torch.float64)
+    log_rho, log_w, adv = 0.5, 0.3, 0.75  # rho = e^0.5 > 1.2: outside the clip range
+    replay = torch.tensor([False, True])
+
+    def grads(phase: Phase) -> list[float]:
+        lp = (old + torch.tensor([[log_rho], [log_w]], dtype=torch.float64)).requires_grad_()
+        loss, _ = algo.loss(lp, None, torch.ones(2, 1, dtype=torch.float64), old_logprobs=old,
+                            generation_logprobs=old, advantages=torch.tensor([adv, adv], dtype=torch.float64),
+                            replay=replay, phase=phase, normalisers=(1.0, 1.0))
+        return torch.autograd.grad(loss, lp)[0].flatten().tolist()
+
+    w, beta = math.exp(log_w), cfg.algo.shaping_beta
+    mixed_fresh, mixed_replay = grads(Phase.MIXED)
+    assert mixed_fresh == pytest.approx(0.0 if clip else -adv * math.exp(log_rho), abs=1e-12)
+    assert mixed_replay == pytest.approx(-adv * beta * w / (w + beta) ** 2, rel=1e-12)
+    assert grads(Phase.WARMUP)[0] == pytest.approx(0.0, abs=1e-12)
+    assert algo.clips(Phase.MIXED) is clip

@@ -54,6 +54,7 @@ class Algorithm:
     clip_ratio: float
     shaping_beta: float
     policy_shaping: bool
+    mixed_phase_clip: bool
     exp_is_correct: bool
     entropy_coeff: float
     loss_agg_mode: str
@@ -61,8 +62,9 @@ class Algorithm:
     max_response_length: int
 
     def clips(self, phase: Phase) -> bool:
-        """PPO clip on fresh tokens: in warm-up only (paper §D.1: the mixed phase is unclipped)."""
-        return phase is Phase.WARMUP
+        """PPO clip on fresh tokens: in warm-up only (paper §D.1: the mixed phase is unclipped), unless
+        `algo.mixed_phase_clip` keeps it in every phase."""
+        return phase is Phase.WARMUP or self.mixed_phase_clip
 
     def normalisers(self, num_tokens_global: float, num_seqs_global: float) -> tuple[float, float]:
         """(pg, entropy) normalisers of one mini-batch from its DP-global counts (`loss.global_loss_counts`)."""
@@ -125,6 +127,7 @@ def build_algorithm(a: AlgoConfig, t: TrainerConfig, max_response_length: int) -
         metric=t.exp_metric, select_mode=t.exp_select_mode) if ALGORITHMS[a.name] else None
     return Algorithm(
         name=a.name, experience=knobs, adv_std_normalize=a.adv_std_normalize, clip_ratio=a.clip_ratio,
-        shaping_beta=a.shaping_beta, policy_shaping=a.policy_shaping, exp_is_correct=a.exp_is_correct,
+        shaping_beta=a.shaping_beta, policy_shaping=a.policy_shaping, mixed_phase_clip=a.mixed_phase_clip,
+        exp_is_correct=a.exp_is_correct,
         entropy_coeff=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode, loss_seqs_per_rank_ref=a.loss_seqs_per_rank_ref,
         max_response_length=max_response_length)
