@@ -9,7 +9,9 @@ Protocol (preset `conf/fidelity_cpu.yaml`; every variant is a list of config ove
   and are measured on the separate TEST split (tools/arithmetic_eval.py test: greedy accuracy, avg@8 at T=0.6
   and T=1.0);
 * ablations (`ABLATIONS`): at ExGRPO's best rate, `--ablation-seeds` (>= 3) seeds each;
-* stability: both arms at `--stability-lr-factor` x the largest swept rate, `--ablation-seeds` seeds.
+* stability: both arms at `--stability-lr-factor` x the largest swept rate, `--ablation-seeds` seeds;
+* diagnosis (`DIAGNOSES`, beyond the paper): ExGRPO variants at GRPO's best rate and the stability rate, paired in
+  the analysis with both arms at the same rate.
 A run lives in `<root>/<variant>_lr<lr>_seed<seed>/` (git-ignored: checkpoints, logs); when it finishes, its record
 (config.yaml, metrics.jsonl, test_eval.json) is copied to `--records` (bench/results/fidelity_runs/, committed), and
 a run with a record is never re-run, so the grid advances across sessions and machines. An interrupted run resumes
@@ -18,7 +20,7 @@ only. Runs of one seed share the cached supervised warm start (in <root>: rebuil
 only one of them trains it, the others wait for the cache.
 
     .venv/bin/python bench/exgrpo_vs_grpo.py --plan                # runs, status, estimated CPU time
-    .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 2  # then final, ablation, stability
+    .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 2  # then final, ablation, stability, diagnosis
     .venv/bin/python bench/exgrpo_vs_grpo.py --analyse-only        # tables + JSON + PNG from what exists
 """
 
