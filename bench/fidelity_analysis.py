@@ -143,13 +143,13 @@ def analyse(root: str, arms: dict, ablations: dict, best: dict, seeds: list[int]
                     "best_lr": best, "arms": {}, "paired": {}, "ablations": {}, "stability": {}, "diagnosis": {}}
     curves: dict[str, list[dict]] = {}
     by_seed: dict[str, dict[int, dict]] = {}
+    high = max(lrs) * stability_factor
     for arm in arms:
         if best.get(arm):
             by_seed[arm] = _runs_by_seed(root, arm, best[arm]["lr"], seeds)
             runs = list(by_seed[arm].values())
             result["arms"][arm] = {"lr": best[arm]["lr"], **summarize(runs, threshold)}
             curves[arm] = runs
-        high = max(lrs) * stability_factor
         runs = list(_runs_by_seed(root, arm, high, ablation_seeds).values())
         if runs:
             result["stability"][arm] = {"lr": high, **summarize(runs, threshold)}
@@ -161,7 +161,6 @@ def analyse(root: str, arms: dict, ablations: dict, best: dict, seeds: list[int]
             if runs_by_seed:
                 result["ablations"][name] = {**summarize(list(runs_by_seed.values()), threshold),
                                              "minus_full": paired_difference(runs_by_seed, by_seed["exgrpo"])}
-    high = max(lrs) * stability_factor
     for name in diagnoses or {}:
         for lr in (best["grpo"]["lr"] if best.get("grpo") else None, high):
             runs_by_seed = _runs_by_seed(root, name, lr, ablation_seeds) if lr else {}
@@ -212,7 +211,8 @@ def plot(curves: dict[str, list[dict]], path: str, paired: tuple[dict, dict] | N
         if key == "paired":
             if paired:
                 steps, mean, half = paired_val_curve(*paired)
-                budget = [t * next(iter(paired[0].values()))["rollouts_per_step"] for t in steps]
+                per_step = next(iter(paired[0].values()))["rollouts_per_step"]
+                budget = [t * per_step for t in steps]
                 ax.plot(budget, mean, marker="o", color="C2")
                 ax.fill_between(budget, [m - h for m, h in zip(mean, half, strict=True)],
                                 [m + h for m, h in zip(mean, half, strict=True)], alpha=0.25, color="C2")

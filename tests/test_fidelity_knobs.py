@@ -190,8 +190,7 @@ def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
 def test_paired_difference_is_the_per_seed_mean_with_a_t_interval():
     """The headline statistic: (a - b) per seed (runs of a seed share their warm start), mean +- t * s / sqrt(n),
     over the seeds both arms finished; an independent float64 reference."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import fidelity_analysis as fa
+    fa = _bench_module().fa
 
     def run(greedy: float, val: float) -> dict:
         return {"test": {"greedy": greedy, "avg@8_T0.6": greedy / 2, "avg@8_T1": greedy / 4},
