@@ -53,6 +53,19 @@ def test_tp1_matches_reference_values_and_grads_fp32(temperature, chunk_size):
     torch.testing.assert_close(logits.grad.double(), ref_grad, atol=1e-5, rtol=1e-5)
 
 
+def test_chunk_grad_in_row_blocks_matches_reference():
+    """A chunk of more rows than GRAD_BLOCK_ROWS (and not a multiple of it): chunk_grad's entropy-gradient branch
+    runs block by block over the rows of its one buffer; every block's gradient must match the float64 reference."""
+    from exgrpo_megatron.policy.logprobs import GRAD_BLOCK_ROWS
+
+    logits64, targets, w_logp, w_ent = _problem(5, shape=(3, GRAD_BLOCK_ROWS + 5))
+    logits = logits64.float().requires_grad_(True)
+    logp, ent = vocab_parallel_logprobs_entropy(logits, targets, chunk_size=1024, temperature=0.8)
+    mixed_loss(logp, ent, w_logp.float(), w_ent.float()).backward()
+    _, _, ref_grad = _reference_grad(logits64.float(), targets, w_logp, w_ent, 0.8)
+    torch.testing.assert_close(logits.grad.double(), ref_grad, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_gradcheck_float64(temperature):
     logits, targets, _, _ = _problem(1, shape=(2, 3), vocab=6)

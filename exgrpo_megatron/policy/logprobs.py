@@ -57,6 +57,9 @@ def _chunk_scaled_logits(logits_chunk: Tensor, temperature: float, compute_dtype
     return z
 
 
+GRAD_BLOCK_ROWS = 32  # rows whose p = exp(log p) is materialised at once in chunk_grad
+
+
 def chunk_stats(z: Tensor, targets: Tensor, vocab_start: int, tp_group: dist.ProcessGroup | None,
                 with_entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Forward of one chunk of rows. z: a fresh compute-dtype buffer [R, V/tp] of logits / T (consumed);
@@ -86,17 +89,21 @@ def chunk_grad(z: Tensor, targets: Tensor, vocab_start: int, row_max: Tensor, lo
     """dL/dlogits of one chunk of rows, local to this shard (module docstring). z: a fresh compute-dtype
     buffer [R, V/tp] of logits / T (consumed and returned as the gradient); the other tensors are [R]."""
     vocab_local = z.shape[-1]
-    log_p = z.sub_((row_max + log_sum_exp).unsqueeze(-1))  # log p = z - row_max - lse_shifted
-    p = torch.exp(log_p)
+    grad_z = z.sub_((row_max + log_sum_exp).unsqueeze(-1))  # log p = z - row_max - lse_shifted
     g_l = g_logp.unsqueeze(-1)
     if g_entropy is not None:
         assert entropy is not None, "an entropy gradient needs the forward's entropy"
-        # grad_z = -p * (g_l + g_H (log p + H)); reuse the log_p buffer.
-        grad_z = log_p.add_(entropy.unsqueeze(-1)).mul_(g_entropy.unsqueeze(-1)).add_(g_l)
-        grad_z.mul_(p).neg_()
+        # grad_z = -p * (g_l + g_H (log p + H)), in the log_p buffer; p = exp(log p) exists for GRAD_BLOCK_ROWS rows
+        # at a time, so the chunk needs one [R, V/tp] buffer, not two
+        h, g_h = entropy.unsqueeze(-1), g_entropy.unsqueeze(-1)
+        for r in range(0, grad_z.shape[0], GRAD_BLOCK_ROWS):
+            rows = slice(r, r + GRAD_BLOCK_ROWS)
+            log_p = grad_z[rows]
+            p = torch.exp(log_p)
+            log_p.add_(h[rows]).mul_(g_h[rows]).add_(g_l[rows]).mul_(p).neg_()
+            del p
     else:
-        grad_z = p.mul_(g_l).neg_()
-    del p, log_p
+        grad_z.exp_().mul_(g_l).neg_()
     local_idx = targets - vocab_start
     owned = (local_idx >= 0) & (local_idx < vocab_local)
     onehot_grad = torch.where(owned, g_logp, torch.zeros_like(g_logp))
