@@ -2,14 +2,25 @@
 
 Both models have IDENTICAL shape and weights (the megatron model is built with `build_gpt_model`, fp32,
 local layer spec, TP=1, one gloo process; its weights are mapped into a `Qwen2ForCausalLM` with
-`convert.hf_mapping.megatron_to_hf`, and the two losses are compared first). One step = forward on a
-[batch, seq] token batch, loss = `F.cross_entropy` over the logits of the real vocabulary (the same call for
-every model), backward, zero grads. No optimizer step.
+`convert.hf_mapping.megatron_to_hf`, and the losses are compared). One step = forward on a [batch, seq] token
+batch, mean next-token cross-entropy over every position, backward, zero grads. No optimizer step.
 
-Megatron runs twice: `megatron` = the default `model.core_attention=sdpa` (model/sdpa_attention.py, causal
-kernel, no mask tensor) and `megatron_dpa` = megatron's local `DotProductAttention` with the explicit causal
-mask (the path before issue 17). HF runs twice: `attn_implementation="sdpa"` (the transformers default) and
-`"eager"` (matmul + softmax).
+Each framework is trained through its own training call:
+- `megatron`: `GPTModel(..., labels=labels)`, megatron-core's language-model loss (`vocab_parallel_cross_entropy`
+  on its [s, b, V] logits; per-token losses [b, s], then the mean), core attention `model.core_attention=sdpa`
+  (model/sdpa_attention.py, causal kernel, no mask tensor);
+- `megatron_dpa`: the same with megatron's local `DotProductAttention` and the explicit causal mask (the path
+  before issue 17);
+- `hf_sdpa` / `hf_eager`: `Qwen2ForCausalLM(input_ids).logits` then `F.cross_entropy` (what transformers'
+  ForCausalLMLoss computes, without its label shift: labels are pre-shifted here), attention "sdpa" (the
+  transformers default) or "eager" (matmul + softmax).
+Two diagnostic megatron rows use the `megatron` model:
+- `megatron_logits`: GPTModel without labels returns logits [b, s, V] (a transposed copy of its [s, b, V]
+  output), then the same `F.cross_entropy` call as HF: what that transpose costs;
+- `megatron_fused`: the RL trainer's output path (`trainer.fused_output_logprobs`, policy/output_layer.py): the
+  model stops before its output layer and `fused_output_logprobs_entropy` computes the target log-probs chunk by
+  chunk from the hidden states (no [tokens x V] logits; the output GEMM is recomputed in backward), loss = mean of
+  -log p: the same loss, the price of never materialising the logits.
 
 Contention: the box is shared, so the models are timed INTERLEAVED (one step of each model in turn, for
 `--iters` rounds after `--warmup` rounds); a load spike hits all models alike. Reported per model: the MEDIAN
@@ -21,7 +32,7 @@ MFU = model FLOP/s / GEMM FLOP/s, with model FLOPs per token (fwd+bwd = 3 x forw
     6 * N_matmul + 12 * L * s * d_attn
 N_matmul = weights of every matmul (QKV, out proj, MLP, output layer; not the input embedding, norms or
 biases); the second term is QK^T and AV over the full s x s score matrix (what both eager paths compute),
-d_attn = heads * head_dim, s = sequence length.
+d_attn = heads * head_dim, s = sequence length. (`megatron_fused` does one more output-layer GEMM than counted.)
 
 Peak RSS: every model is built and stepped (2 steps) in its OWN subprocess; a thread samples RSS every 2 ms;
 reported are the sampled peak (imports of torch + transformers + megatron-core included) and "model+step" = that
@@ -55,9 +66,9 @@ PRESETS = {  # name -> ModelConfig overrides
     "63m": dict(num_layers=8, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=2,
                 vocab_size=32000, make_vocab_size_divisible_by=128),  # 63.3M parameters
 }
-# megatron = the default (model.core_attention=sdpa); megatron_dpa = megatron's local DotProductAttention
-MODELS = ("megatron", "megatron_dpa", "hf_sdpa", "hf_eager")
-CORE_ATTENTION = {"megatron": "sdpa", "megatron_dpa": "megatron"}
+# megatron* = our GPTModel (module docstring); the core attention each megatron row's model uses
+MODELS = ("megatron", "megatron_dpa", "megatron_logits", "megatron_fused", "hf_sdpa", "hf_eager")
+CORE_ATTENTION = {"megatron": "sdpa", "megatron_dpa": "megatron", "megatron_logits": "sdpa", "megatron_fused": "sdpa"}
 
 
 def model_config(preset: str, core_attention: str = "sdpa"):
@@ -99,8 +110,10 @@ def build_hf(cfg, attn: str, gpt=None):
 
 
 def make_step(name: str, model, cfg, batch: int, seq: int):
-    """A closure running one fwd+bwd step on a fixed random batch; returns the loss."""
+    """A closure running one fwd+bwd step of `name`'s training call on a fixed random batch; returns the loss."""
     from exgrpo_megatron.model.builder import causal_attention_mask
+    from exgrpo_megatron.policy.fused_logprobs import fused_output_logprobs_entropy
+    from exgrpo_megatron.policy.output_layer import stop_before_output_layer
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
@@ -109,12 +122,21 @@ def make_step(name: str, model, cfg, batch: int, seq: int):
     # as Policy does: megatron's DotProductAttention gets the explicit mask, sdpa its causal kernel
     mask = causal_attention_mask(seq, batch) if name == "megatron_dpa" else None
 
+    def loss_of_step() -> torch.Tensor:
+        if name in ("megatron", "megatron_dpa"):
+            return model(input_ids=inputs, position_ids=positions, attention_mask=mask, labels=labels).mean()
+        if name == "megatron_fused":
+            with stop_before_output_layer(model, fused=True) as weight:
+                hidden = model(input_ids=inputs, position_ids=positions, attention_mask=None)  # [s, b, H]
+            logp, _ = fused_output_logprobs_entropy(hidden.transpose(0, 1).reshape(batch * seq, -1), weight,
+                                                    labels.reshape(-1), cfg.vocab_size, with_entropy=False)
+            return -logp.mean()
+        logits = (model(input_ids=inputs, position_ids=positions, attention_mask=None) if name == "megatron_logits"
+                  else model(input_ids=inputs).logits)
+        return F.cross_entropy(logits[..., : cfg.vocab_size].reshape(-1, cfg.vocab_size).float(), labels.reshape(-1))
+
     def step() -> float:
-        if name.startswith("megatron"):
-            logits = model(input_ids=inputs, position_ids=positions, attention_mask=mask)
-        else:
-            logits = model(input_ids=inputs).logits
-        loss = F.cross_entropy(logits[..., : cfg.vocab_size].reshape(-1, cfg.vocab_size).float(), labels.reshape(-1))
+        loss = loss_of_step()
         loss.backward()
         model.zero_grad(set_to_none=True)
         return float(loss.detach())
@@ -197,7 +219,7 @@ def bench_preset(preset: str, batch: int, seq: int, warmup: int, iters: int, nam
     cfg, gpt = build_megatron(preset)
     _, dpa = build_megatron(preset, "megatron")
     dpa.load_state_dict(gpt.state_dict())
-    models = {"megatron": gpt, "megatron_dpa": dpa}
+    models = {"megatron": gpt, "megatron_dpa": dpa, "megatron_logits": gpt, "megatron_fused": gpt}
     models.update({name: build_hf(cfg, name.removeprefix("hf_"), gpt) for name in names if name.startswith("hf_")})
     models = {name: models[name] for name in names}
     steps = {name: make_step(name, m, cfg, batch, seq) for name, m in models.items()}
@@ -259,19 +281,19 @@ def report(args, gemm_before: float, gemm: float, results: list[dict], complete:
             if complete and not args.no_rss:
                 row.update(measure_rss(name, res["preset"], args.batch, args.seq, args.threads))
         rows = res["rows"]
-        for name in ("megatron", "megatron_dpa"):
+        for name in (n for n in MODELS if n.startswith("megatron")):
             for hf in ("hf_sdpa", "hf_eager"):
                 if name in rows and hf in rows:
                     res[f"{name}_over_{hf}"] = rows[hf]["median_step_s"] / rows[name]["median_step_s"]
                     res[f"{name}_over_{hf}_cpu_time"] = rows[hf]["median_cpu_s"] / rows[name]["median_cpu_s"]
     print(f"threads={args.threads} batch={args.batch}x{args.seq} fp32 GEMM(2048^2)={gemm / 1e9:.1f} GFLOP/s "
           f"load={os.getloadavg()[0]:.1f}")
-    print(f"{'preset':6s} {'model':12s} {'params':>9s} {'tok/s':>9s} {'min s':>7s} {'med s':>7s} {'cpu s':>7s} "
+    print(f"{'preset':6s} {'model':15s} {'params':>9s} {'tok/s':>9s} {'min s':>7s} {'med s':>7s} {'cpu s':>7s} "
           f"{'MFU':>6s} {'loss':>8s} "
           f"{'peakRSS MiB':>11s} {'model+step MiB':>14s}")
     for res in results:
         for name, r in res["rows"].items():
-            print(f"{res['preset']:6s} {name:12s} {res['params']:9d} {r['tokens_per_s']:9.0f} {r['min_step_s']:7.3f} "
+            print(f"{res['preset']:6s} {name:15s} {res['params']:9d} {r['tokens_per_s']:9.0f} {r['min_step_s']:7.3f} "
                   f"{r['median_step_s']:7.3f} {r['median_cpu_s']:7.3f} {r['mfu']:6.1%} {r['loss']:8.4f} "
                   f"{r.get('peak_rss_mib', float('nan')):11.0f} "
                   f"{r.get('sampled_peak_minus_imports_mib', float('nan')):14.0f}")
