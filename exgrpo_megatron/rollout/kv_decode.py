@@ -103,9 +103,17 @@ class KVCacheStage:
         self.cos, self.sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
         self.max_len = max_len
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.filled = 0  # positions [0, filled) of every cache row are written
 
     def select_rows(self, index: torch.Tensor) -> None:
-        self.cache = [(k[index], v[index]) for k, v in self.cache]
+        """Keep/copy cache rows by `index`; only the written positions [0, filled) are copied (a decode step drops
+        finished rows, so copying the whole max_len cache each time would dominate short responses)."""
+        def take(cache: torch.Tensor) -> torch.Tensor:
+            out = cache.new_empty((len(index), *cache.shape[1:]))
+            out[:, :, :self.filled] = cache[index, :, :self.filled]
+            return out
+
+        self.cache = [(take(k), take(v)) for k, v in self.cache]
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor | None, start: int, valid: torch.Tensor):
         model = self.model
@@ -118,6 +126,7 @@ class KVCacheStage:
         cos, sin = self.cos[start: start + seq], self.sin[start: start + seq]
         for i, layer in enumerate(self.layers):
             hidden = self._layer(i, layer, hidden, start, cos, sin, mask)
+        self.filled = max(self.filled, start + seq)
         if not model.post_process:
             return hidden
         final_norm = model.decoder.final_layernorm
