@@ -45,7 +45,7 @@ SWITCHES: list[tuple[str, object]] = [
     ("trainer.sequence_packing", False),
     ("trainer.fused_output_logprobs", False),
     ("model.core_attention", "megatron"),
-    ("trainer.micro_batch_max_tokens", 8192),  # the demo preset's budget before issue 17 (now 2048: less padding)
+    ("trainer.micro_batch_max_tokens", 8192),  # the demo preset's budget before issue 17 (now 2048)
 ]
 COMMON = ["trainer.experience_start_sratio=0", "trainer.val_every=0", "checkpoint.save_every=100000",
           "logging.progress_bar=false", "logging.tensorboard=false"]

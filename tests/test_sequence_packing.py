@@ -245,6 +245,20 @@ def test_sdpa_core_attention_equals_megatron_local_float64():
     assert max(errs.values()) < 1e-12, errs
 
 
+@pytest.mark.parametrize("lengths", [[7], [1, 1, 1], [40, 3, 38, 2, 20, 21, 5, 39, 1], list(range(1, 60))])
+def test_length_groups_cover_every_sequence_within_the_padding_limit(lengths):
+    from exgrpo_megatron.model.sdpa_attention import PACKED_PADDING_LIMIT, length_groups
+
+    groups = length_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert lengths[g[0]] == longest  # the group's first member sets its padded length
+        assert len(g) == 1 or len(g) * longest <= PACKED_PADDING_LIMIT * sum(lengths[i] for i in g)
+    if lengths == [40, 3, 38, 2, 20, 21, 5, 39, 1]:  # longest first; the short tail (3, 2, 1) gets its own call
+        assert groups == [[0, 7, 2, 5, 4, 6], [1, 3, 8]]
+
+
 def test_packing_config_errors_name_the_key():
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.config.validate import all_errors, config_errors

@@ -10,9 +10,12 @@ Masks, in megatron's convention (True = masked):
   them with -10000: the same softmax), and a query whose keys are all masked averages the values uniformly,
   as megatron's does (the rollout engine's masks never produce one: each query sees itself);
 - packed sequences (`PackedSeqParams`, qkv_format "thd", query [t, heads, d]): block-diagonal causal
-  attention, each sequence [cu_seqlens[i], cu_seqlens[i+1]) attending causally to itself only. The blocks are
-  computed one by one, so no [t, t] mask exists. RoPE positions were already reset per sequence by megatron's
-  attention layer (`_apply_rotary_pos_emb_thd` with the same cu_seqlens).
+  attention, each sequence [cu_seqlens[i], cu_seqlens[i+1]) attending causally to itself only. No [t, t] mask
+  exists: the sequences are grouped by length (`length_groups`), each group's tokens are copied into a
+  right-padded [n, heads, longest, d] batch and run through ONE causal sdpa call (a real query at position p sees
+  keys 0..p, all real; the padded queries' outputs are dropped, so they get no gradient), and the real rows are
+  copied back. A group's padded slots are at most PACKED_PADDING_LIMIT x its real tokens. RoPE positions were
+  already reset per sequence by megatron's attention layer (`_apply_rotary_pos_emb_thd` with the same cu_seqlens).
 
 Selected by `model.core_attention` (conf/model/*.yaml); Transformer Engine stays the GPU path.
 """
@@ -27,6 +30,22 @@ from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
 
 MASKED_SCORE = -10000.0  # megatron's attention_mask_func fill value
+PACKED_PADDING_LIMIT = 1.5  # a packed-attention group's padded slots / real tokens, at most (one sequence: 1)
+
+
+def length_groups(lengths: list[int], limit: float = PACKED_PADDING_LIMIT) -> list[list[int]]:
+    """Indices of `lengths` in groups of one padded attention call each: longest first, a sequence joins the
+    current group while (members + 1) x the group's longest <= limit x (the group's real tokens + its own)."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= limit * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -73,12 +92,30 @@ class SDPADotProductAttention(DotProductAttention):
         bounds = params.cu_seqlens_q.tolist()
         if bounds != params.cu_seqlens_kv.tolist():
             raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
-        gqa = query.shape[1] != key.shape[1]
-        blocks = []
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [heads, L, d]
-            blocks.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=end - start > 1,
-                                                         scale=self.softmax_scale, enable_gqa=gqa).transpose(0, 1))
         if bounds[0] != 0 or bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the {query.shape[0]} packed tokens")
-        return torch.cat(blocks).reshape(query.shape[0], self.hidden_size_per_partition)
+        starts = torch.tensor(bounds[:-1])
+        lengths = torch.tensor(bounds[1:]) - starts
+        gqa = query.shape[1] != key.shape[1]
+        token_ids, outputs = [], []
+        for group in length_groups(lengths.tolist()):
+            members = torch.tensor(group)
+            n, longest = len(group), int(lengths[members[0]])
+            seq_of = torch.repeat_interleave(torch.arange(n), lengths[members])  # group-local sequence per token
+            offset = torch.arange(len(seq_of)) - (torch.cumsum(lengths[members], 0) - lengths[members])[seq_of]
+            tokens = (starts[members][seq_of] + offset).to(query.device)  # packed row of each real token
+            slots = (seq_of * longest + offset).to(query.device)  # its row in the right-padded [n * longest]
+            q, k, v = (_right_padded(x, tokens, slots, n, longest) for x in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=longest > 1,
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
+            outputs.append(out.transpose(1, 2).reshape(n * longest, self.hidden_size_per_partition)[slots])
+            token_ids.append(tokens)
+        context = torch.cat(outputs)
+        return context.new_zeros(context.shape).index_copy(0, torch.cat(token_ids), context)
+
+
+def _right_padded(x: Tensor, tokens: Tensor, slots: Tensor, n: int, longest: int) -> Tensor:
+    """Packed rows `tokens` of x [t, heads, d] placed at `slots` of a zero [n * longest] buffer, as the batch
+    [n, heads, longest, d] (each sequence from position 0, zeros after it)."""
+    buf = x.new_zeros(n * longest, *x.shape[1:]).index_copy(0, slots, x[tokens])
+    return buf.view(n, longest, *x.shape[1:]).transpose(1, 2)
