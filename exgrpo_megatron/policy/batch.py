@@ -70,13 +70,19 @@ class MicroBatch:
 
     def place(self, per_row: Sequence[torch.Tensor]) -> torch.Tensor:
         """One per-response-token quantity at this micro-batch's target positions (float32, 0 elsewhere):
-        `per_row[i]` holds the values of full-batch row i (`rows`), one per response token."""
+        `per_row[i]` holds the values of full-batch row i (`rows`), one per response token (the target of the
+        row's position t is token t + 1, so they start at the row's position prompt_length - 1)."""
+        values = torch.cat([torch.as_tensor(per_row[i], dtype=torch.float32).reshape(-1) for i in self.rows])
+        counts = torch.tensor([n - p for n, p in zip(self.lengths, self.prompt_lengths, strict=True)])
+        if values.numel() != int(counts.sum()):
+            raise ValueError(f"{values.numel()} values for the {int(counts.sum())} response tokens of micro-batch rows "
+                             f"{self.rows}")
+        starts = torch.tensor([r * self.tokens.shape[1] + c + p - 1 for (r, c), p in
+                               zip(map(self.row_start, range(len(self.rows))), self.prompt_lengths, strict=True)])
+        first = torch.repeat_interleave(starts, counts)  # each value's row start ...
+        offset = torch.arange(values.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
         out = torch.zeros(self.tokens.shape, dtype=torch.float32)
-        for b, i in enumerate(self.rows):
-            r, c = self.row_start(b)
-            p = self.prompt_lengths[b]
-            v = torch.as_tensor(per_row[i], dtype=torch.float32)
-            out[r, c + p - 1 : c + p - 1 + v.numel()] = v
+        out.view(-1)[first + offset] = values  # ... plus its index within the row
         return out
 
     def to(self, device: torch.device) -> MicroBatch:
