@@ -55,6 +55,11 @@ def test_packed_collate_places_rows_like_padded():
         assert torch.equal(packed.loss_mask[0, c:c + n], padded.loss_mask[b, :n])
         assert torch.equal(packed_adv[0, c:c + n], padded_adv[b, :n])
         assert torch.equal(packed.labels[0, c:c + n - 1], padded.labels[b, :n - 1])
+    ones = [torch.ones(len(s) - p) for s, p in zip(seqs, prompts, strict=True)]
+    for mb in (padded, packed):  # one value per response token lands exactly on the loss mask
+        assert torch.equal(mb.place(ones), mb.loss_mask)
+    with pytest.raises(ValueError, match="response tokens"):
+        packed.place([torch.ones(len(s) - p + 1) for s, p in zip(seqs, prompts, strict=True)])
     all_rows = list(range(len(seqs)))
     for flag in (False, True):
         mbs = make_micro_batches(seqs, prompts, all_rows, 40, flag)
