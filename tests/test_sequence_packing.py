@@ -114,11 +114,17 @@ def _float64_reference():
         ref_logits.append(logits[0])
         ref_grads = grads if ref_grads is None else {k: v + grads[k] for k, v in ref_grads.items()}
     out = {}
-    for name, packed in (("padded", False), ("packed", True)):
-        mb = collate(seqs, prompts, rows, packed=packed)
+    # packed in the planner's order (longest first: the attention splits the packed rows into length groups) and
+    # in an arbitrary order (it gathers and scatters them by index)
+    longest_first = sorted(rows, key=lambda i: (-len(seqs[i]), i))
+    assert longest_first != rows
+    for name, packed, order in (("padded", False, rows), ("packed", True, rows),
+                                ("packed_longest_first", True, longest_first)):
+        mb = collate(seqs, prompts, order, packed=packed)
         logits, grads = run(mb)
+        ref = [ref_logits[rows.index(i)] for i in order]
         out[name] = {
-            "logits": max(float((a - b).abs().max()) for a, b in zip(per_row(mb, logits), ref_logits, strict=True)),
+            "logits": max(float((a - b).abs().max()) for a, b in zip(per_row(mb, logits), ref, strict=True)),
             "grads": max(float((grads[k] - v).abs().max() / v.abs().max().clamp_min(1e-30))
                          for k, v in ref_grads.items()),
         }
@@ -127,6 +133,7 @@ def _float64_reference():
 
 def test_padded_and_packed_equal_each_sequence_alone_float64():
     (res,) = run_on_ranks(_float64_reference, world_size=1)
+    assert set(res) == {"padded", "packed", "packed_longest_first"}
     for name, errs in res.items():
         assert errs["logits"] < 1e-12, (name, errs)
         assert errs["grads"] < 1e-12, (name, errs)

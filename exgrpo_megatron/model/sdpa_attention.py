@@ -97,25 +97,43 @@ class SDPADotProductAttention(DotProductAttention):
         starts = torch.tensor(bounds[:-1])
         lengths = torch.tensor(bounds[1:]) - starts
         gqa = query.shape[1] != key.shape[1]
+        groups = length_groups(lengths.tolist())
+        # Our planner packs each micro-batch longest first, so every group is a run of adjacent sequences and the
+        # groups come in packed order: split in, concatenate out. Other layouts gather and scatter by index.
+        in_order = [i for g in groups for i in g] == list(range(len(lengths)))
+        sizes = [int(lengths[g].sum()) for g in groups]
+        parts = [x.split(sizes) for x in (query, key, value)] if in_order else None
         token_ids, outputs = [], []
-        for group in length_groups(lengths.tolist()):
+        for j, group in enumerate(groups):
             members = torch.tensor(group)
             n, longest = len(group), int(lengths[members[0]])
             seq_of = torch.repeat_interleave(torch.arange(n), lengths[members])  # group-local sequence per token
             offset = torch.arange(len(seq_of)) - (torch.cumsum(lengths[members], 0) - lengths[members])[seq_of]
-            tokens = (starts[members][seq_of] + offset).to(query.device)  # packed row of each real token
-            slots = (seq_of * longest + offset).to(query.device)  # its row in the right-padded [n * longest]
-            q, k, v = (_right_padded(x, tokens, slots, n, longest) for x in (query, key, value))
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=longest > 1,
+            if parts is not None:
+                q, k, v = (part[j] for part in parts)  # the group's real tokens [t_g, heads, d]
+            else:
+                tokens = (starts[members][seq_of] + offset).to(query.device)  # their packed rows
+                q, k, v = (x[tokens] for x in (query, key, value))
+                token_ids.append(tokens)
+            if n == 1:  # one sequence: no padding at all
+                out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                     dropout_p=dropout, is_causal=longest > 1,
+                                                     scale=self.softmax_scale, enable_gqa=gqa)  # [heads, L, d]
+                outputs.append(out.transpose(0, 1).reshape(longest, self.hidden_size_per_partition))
+                continue
+            slots = (seq_of * longest + offset).to(query.device)  # row of each real token in [n * longest]
+            qp, kp, vp = (_right_padded(x, slots, n, longest) for x in (q, k, v))
+            out = F.scaled_dot_product_attention(qp, kp, vp, dropout_p=dropout, is_causal=True,
                                                  scale=self.softmax_scale, enable_gqa=gqa)
             outputs.append(out.transpose(1, 2).reshape(n * longest, self.hidden_size_per_partition)[slots])
-            token_ids.append(tokens)
-        context = torch.cat(outputs)
+        context = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        if parts is not None:
+            return context
         return context.new_zeros(context.shape).index_copy(0, torch.cat(token_ids), context)
 
 
-def _right_padded(x: Tensor, tokens: Tensor, slots: Tensor, n: int, longest: int) -> Tensor:
-    """Packed rows `tokens` of x [t, heads, d] placed at `slots` of a zero [n * longest] buffer, as the batch
+def _right_padded(rows: Tensor, slots: Tensor, n: int, longest: int) -> Tensor:
+    """The group's real rows [t_g, heads, d] placed at `slots` of a zero [n * longest] buffer, as the batch
     [n, heads, longest, d] (each sequence from position 0, zeros after it)."""
-    buf = x.new_zeros(n * longest, *x.shape[1:]).index_copy(0, slots, x[tokens])
-    return buf.view(n, longest, *x.shape[1:]).transpose(1, 2)
+    buf = rows.new_zeros(n * longest, *rows.shape[1:]).index_copy(0, slots, rows)
+    return buf.view(n, longest, *rows.shape[1:]).transpose(1, 2)
