@@ -126,10 +126,9 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase,
     from its DP-global token and sequence counts. Returns the updated count of consecutive skipped updates."""
     cfg, t = c.cfg, c.cfg.trainer
     c.policy.train()
-    lengths = batch.response_lengths  # a list built per access: once here, not once per row
     for u, chunk in enumerate(np.array_split(np.arange(n_groups), updates_per_step(cfg.trainer))):
         rows = batch.rows_of_groups(set(chunk.tolist()))
-        counts = global_loss_counts([lengths[i] for i in rows], c.dp_group)
+        counts = global_loss_counts([batch.response_lengths[i] for i in rows], c.dp_group)
         mbs = micro_batches_for_update(batch, rows, t.micro_batch_max_tokens, packed=t.sequence_packing,
                                        measure_mismatch=c.old_logprobs == "rollout" and u == 0)
         loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=c.algorithm.normalisers(*counts),

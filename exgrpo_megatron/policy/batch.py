@@ -69,20 +69,15 @@ class MicroBatch:
         return (0, int(self.cu_seqlens[b])) if self.cu_seqlens is not None else (b, 0)
 
     def place(self, per_row: Sequence[torch.Tensor]) -> torch.Tensor:
-        """One per-response-token quantity at this micro-batch's target positions (float32, 0 elsewhere):
-        `per_row[i]` holds the values of full-batch row i (`rows`), one per response token (the target of the
-        row's position t is token t + 1, so they start at the row's position prompt_length - 1)."""
+        """One per-response-token quantity at this micro-batch's target positions, where `loss_mask` is 1 (float32,
+        0 elsewhere): `per_row[i]` holds the values of full-batch row i (`rows`), one per response token."""
         values = torch.cat([torch.as_tensor(per_row[i], dtype=torch.float32).reshape(-1) for i in self.rows])
-        counts = torch.tensor([n - p for n, p in zip(self.lengths, self.prompt_lengths, strict=True)])
-        if values.numel() != int(counts.sum()):
-            raise ValueError(f"{values.numel()} values for the {int(counts.sum())} response tokens of micro-batch rows "
-                             f"{self.rows}")
-        starts = torch.tensor([r * self.tokens.shape[1] + c + p - 1 for (r, c), p in
-                               zip(map(self.row_start, range(len(self.rows))), self.prompt_lengths, strict=True)])
-        first = torch.repeat_interleave(starts, counts)  # each value's row start ...
-        offset = torch.arange(values.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        targets = self.loss_mask.bool()
+        if values.numel() != int(targets.sum()):
+            raise ValueError(f"{values.numel()} values for the {int(targets.sum())} response tokens of micro-batch "
+                             f"rows {self.rows}")
         out = torch.zeros(self.tokens.shape, dtype=torch.float32)
-        out.view(-1)[first + offset] = values  # ... plus its index within the row
+        out[targets] = values  # row-major order: the rows in order, each row's targets in sequence order
         return out
 
     def to(self, device: torch.device) -> MicroBatch:

@@ -52,7 +52,6 @@ def old_logprobs(policy: Policy, batch: TrainBatch, replay_current: list[np.ndar
     old: list[torch.Tensor | None] = [None] * n
     for i, lp in zip(forward, computed, strict=True):
         old[i] = lp
-    lengths = batch.response_lengths
     for i in range(n):
         if old[i] is not None:
             continue
@@ -60,7 +59,7 @@ def old_logprobs(policy: Policy, batch: TrainBatch, replay_current: list[np.ndar
             old[i] = batch.gen_logprobs[i].clone()
             continue
         cur = torch.as_tensor(np.asarray(replay_current[i]), dtype=torch.float32)
-        if cur.numel() != lengths[i]:
-            raise ValueError(f"row {i}: {cur.numel()} selection log-probs for {lengths[i]} tokens")
+        if cur.numel() != batch.response_lengths[i]:
+            raise ValueError(f"row {i}: {cur.numel()} selection log-probs for {batch.response_lengths[i]} tokens")
         old[i] = cur.clone()
     return old, len(forward)  # type: ignore[return-value]

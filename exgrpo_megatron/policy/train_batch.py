@@ -10,6 +10,7 @@ into micro-batches whose `LossInputs` the loss reads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -34,8 +35,9 @@ class TrainBatch:
     group_index: list[int]  # the row's group among this rank's groups
     old_logprobs: list[torch.Tensor] = field(default_factory=list)  # pi_old per response token, once computed
 
-    @property
+    @cached_property
     def response_lengths(self) -> list[int]:
+        """Built once (the sequences are fixed once the batch is built): callers index it per row."""
         return [len(s) - p for s, p in zip(self.sequences, self.prompt_lengths, strict=True)]
 
     def rows_of_groups(self, groups: set[int]) -> list[int]:
