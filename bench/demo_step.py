@@ -6,7 +6,8 @@ the shared machine hits both alike:
 * ``default``: the config as it is (every switch at its configured default);
 * ``default_1_thread``: the default with ``trainer.train_threads=1`` (diagnostic: the threads' share alone);
 * ``today``: every switch of `SWITCHES` at its old value: old log-probs recomputed by a second forward pass,
-  1 thread, no sequence packing, no fused output layer, megatron's unfused core attention.
+  1 thread, no sequence packing, no fused output layer, megatron's unfused core attention, torch's RMSNorm and
+  megatron's RoPE.
 A switch whose key the config does not have (its branch not merged yet) is left out and listed under
 "absent_switches"; adding a switch is one line of `SWITCHES`. Both arms replay from step 2
 (``trainer.experience_start_sratio=0``) so the selection pass and replayed rows are in every measured step.
@@ -45,6 +46,7 @@ SWITCHES: list[tuple[str, object]] = [
     ("trainer.sequence_packing", False),
     ("trainer.fused_output_logprobs", False),
     ("model.core_attention", "megatron"),
+    ("model.fused_norm_rope", False),
     ("trainer.micro_batch_max_tokens", 8192),  # the demo preset's budget before issue 17 (now 2048)
 ]
 COMMON = ["trainer.experience_start_sratio=0", "trainer.val_every=0", "checkpoint.save_every=100000",

@@ -9,8 +9,10 @@ Each framework is trained through its own training call:
 - `megatron`: `GPTModel(..., labels=labels)`, megatron-core's language-model loss (`vocab_parallel_cross_entropy`
   on its [s, b, V] logits; per-token losses [b, s], then the mean), core attention `model.core_attention=sdpa`
   (model/sdpa_attention.py, causal kernel, no mask tensor);
-- `megatron_dpa`: the same with megatron's local `DotProductAttention` and the explicit causal mask (the path
-  before issue 17);
+- `megatron_unfused`: the same with `model.fused_norm_rope=false` (torch's RMSNorm, megatron's RoPE): what the
+  single-function RMSNorm and RoPE (model/fused_ops.py) are worth;
+- `megatron_dpa`: the same with megatron's local `DotProductAttention`, the explicit causal mask and the unfused
+  norm/RoPE (the path before issue 17);
 - `hf_sdpa` / `hf_eager`: `Qwen2ForCausalLM(input_ids).logits` then `F.cross_entropy` (what transformers'
   ForCausalLMLoss computes, without its label shift: labels are pre-shifted here), attention "sdpa" (the
   transformers default) or "eager" (matmul + softmax).
@@ -67,18 +69,22 @@ PRESETS = {  # name -> ModelConfig overrides
                 vocab_size=32000, make_vocab_size_divisible_by=128),  # 63.3M parameters
 }
 # megatron* = our GPTModel (module docstring); the core attention each megatron row's model uses
-MODELS = ("megatron", "megatron_dpa", "megatron_logits", "megatron_fused", "hf_sdpa", "hf_eager")
-CORE_ATTENTION = {"megatron": "sdpa", "megatron_dpa": "megatron", "megatron_logits": "sdpa", "megatron_fused": "sdpa"}
+MODELS = ("megatron", "megatron_unfused", "megatron_dpa", "megatron_logits", "megatron_fused", "hf_sdpa", "hf_eager")
+# megatron row -> (model.core_attention, model.fused_norm_rope) of the model it steps
+MEGATRON_VARIANTS = {"megatron": ("sdpa", True), "megatron_unfused": ("sdpa", False),
+                     "megatron_dpa": ("megatron", False), "megatron_logits": ("sdpa", True),
+                     "megatron_fused": ("sdpa", True)}
 
 
-def model_config(preset: str, core_attention: str = "sdpa"):
+def model_config(preset: str, core_attention: str = "sdpa", fused_norm_rope: bool = True):
     from exgrpo_megatron.config.schema import ModelConfig
 
     return ModelConfig(params_dtype="fp32", layer_spec="local", max_position_embeddings=1024,
-                       tie_word_embeddings=False, core_attention=core_attention, **PRESETS[preset])
+                       tie_word_embeddings=False, core_attention=core_attention, fused_norm_rope=fused_norm_rope,
+                       **PRESETS[preset])
 
 
-def build_megatron(preset: str, core_attention: str = "sdpa"):
+def build_megatron(preset: str, core_attention: str = "sdpa", fused_norm_rope: bool = True):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     from exgrpo_megatron.config.schema import ParallelConfig
@@ -86,7 +92,7 @@ def build_megatron(preset: str, core_attention: str = "sdpa"):
     from exgrpo_megatron.model.builder import build_gpt_model
 
     init_distributed(1, 1, seed=3)
-    cfg = model_config(preset, core_attention)
+    cfg = model_config(preset, core_attention, fused_norm_rope)
     return cfg, build_gpt_model(cfg, ParallelConfig()).train()
 
 
@@ -123,7 +129,7 @@ def make_step(name: str, model, cfg, batch: int, seq: int):
     mask = causal_attention_mask(seq, batch) if name == "megatron_dpa" else None
 
     def loss_of_step() -> torch.Tensor:
-        if name in ("megatron", "megatron_dpa"):
+        if name in ("megatron", "megatron_unfused", "megatron_dpa"):
             return model(input_ids=inputs, position_ids=positions, attention_mask=mask, labels=labels).mean()
         if name == "megatron_fused":
             with stop_before_output_layer(model, fused=True) as weight:
@@ -192,8 +198,8 @@ def rss_child(model_name: str, preset: str, batch: int, seq: int) -> None:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    if model_name in CORE_ATTENTION:
-        cfg, model = build_megatron(preset, CORE_ATTENTION[model_name])
+    if model_name in MEGATRON_VARIANTS:
+        cfg, model = build_megatron(preset, *MEGATRON_VARIANTS[model_name])
     else:
         cfg = model_config(preset)
         model = build_hf(cfg, model_name.removeprefix("hf_"))
@@ -217,9 +223,10 @@ def measure_rss(model_name: str, preset: str, batch: int, seq: int, threads: int
 
 def bench_preset(preset: str, batch: int, seq: int, warmup: int, iters: int, names: list[str]) -> dict:
     cfg, gpt = build_megatron(preset)
-    _, dpa = build_megatron(preset, "megatron")
-    dpa.load_state_dict(gpt.state_dict())
-    models = {"megatron": gpt, "megatron_dpa": dpa, "megatron_logits": gpt, "megatron_fused": gpt}
+    models = {name: gpt for name, variant in MEGATRON_VARIANTS.items() if variant == MEGATRON_VARIANTS["megatron"]}
+    for name in ("megatron_unfused", "megatron_dpa"):
+        models[name] = build_megatron(preset, *MEGATRON_VARIANTS[name])[1]
+        models[name].load_state_dict(gpt.state_dict())
     models.update({name: build_hf(cfg, name.removeprefix("hf_"), gpt) for name in names if name.startswith("hf_")})
     models = {name: models[name] for name in names}
     steps = {name: make_step(name, m, cfg, batch, seq) for name, m in models.items()}
@@ -242,7 +249,7 @@ def bench_preset(preset: str, batch: int, seq: int, warmup: int, iters: int, nam
                       "median_cpu_s": statistics.median(cpu[name]), "cpu_times_s": cpu[name],
                       "tokens_per_s_best": batch * seq / best, "step_times_s": times[name],
                       "loss": losses[name], "model_flops_per_s": fpt * batch * seq / med}
-    del models, steps, gpt, dpa
+    del models, steps, gpt
     return {"preset": preset, "model": PRESETS[preset], "params": n_params, "n_matmul": n_matmul,
             "flops_per_token": fpt, "batch": batch, "seq": seq, "rows": rows}
 

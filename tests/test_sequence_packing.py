@@ -5,8 +5,8 @@ the switched-on paths give the same per-token values, loss and gradients as the 
   tokens and per-token values (`MicroBatch.place`) as the padded ones, and `scatter_rows` inverts both;
 - float64: the padded and the packed model forward both equal each sequence run on its own (the
   reference: no padding, no neighbours), logits and parameter gradients;
-- the production path (`Policy.forward_backward`, fp32): packed vs padded and sdpa vs megatron attention,
-  loss and every gradient; packed at TP=2 and PP=2 vs TP=1 (spawned gloo ranks).
+- the production path (`Policy.forward_backward`, fp32): packed vs padded, sdpa vs megatron attention and
+  `model.fused_norm_rope` on vs off, loss and every gradient; packed at TP=2 and PP=2 vs TP=1 (spawned gloo ranks).
 """
 
 from __future__ import annotations
@@ -183,11 +183,13 @@ def _compare(ref: dict, got: dict, tol: float = 2e-5) -> None:
 
 PACKED, PADDED = ("trainer.sequence_packing=true",), ("trainer.sequence_packing=false",)
 MEGATRON_ATTN = ("trainer.sequence_packing=false", "model.core_attention=megatron")
+UNFUSED = "model.fused_norm_rope=false"
 
 
 def _single_rank_switches():
     return {name: _policy_run(1, 1, o) for name, o in
-            (("packed", PACKED), ("padded", PADDED), ("megatron_attn", MEGATRON_ATTN))}
+            (("packed", PACKED), ("padded", PADDED), ("megatron_attn", MEGATRON_ATTN),
+             ("packed_unfused", (*PACKED, UNFUSED)), ("padded_unfused", (*PADDED, UNFUSED)))}
 
 
 def test_switches_give_same_loss_and_grads():
@@ -196,6 +198,8 @@ def test_switches_give_same_loss_and_grads():
     assert res["packed"]["n_micro"] <= res["padded"]["n_micro"]
     _compare(res["padded"], res["packed"])  # trainer.sequence_packing
     _compare(res["megatron_attn"], res["padded"])  # model.core_attention: sdpa vs megatron
+    _compare(res["packed_unfused"], res["packed"])  # model.fused_norm_rope, packed (THD RoPE)
+    _compare(res["padded_unfused"], res["padded"])  # model.fused_norm_rope, padded
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])

@@ -34,6 +34,7 @@ class ModelConfig:
     params_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     layer_spec: str = "auto"  # auto (TE when importable with CUDA) | te | local
     core_attention: str = "sdpa"  # local spec: sdpa (torch fused kernel) | megatron (DotProductAttention)
+    fused_norm_rope: bool = True  # local spec: RMSNorm and RoPE as one autograd function each (model/fused_ops.py)
     recompute_activations: bool = False
     hf_path: Optional[str] = None  # HF directory: tokenizer files (and weights for conversion)
 

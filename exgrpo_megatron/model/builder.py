@@ -80,7 +80,10 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
     )
 
 
-def layer_spec(cfg: ModelConfig):
+def layer_spec(cfg: ModelConfig, tcfg=None, vp_stage: int | None = None):
+    """The decoder spec: TE's layer, or megatron's local layer with our CPU submodules (`model.core_attention`,
+    `model.fused_norm_rope`; the latter also replaces the final norm, so it returns the whole block's spec for
+    this pipeline stage, which needs the stage's `tcfg`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if resolve_layer_spec(cfg) == "te":
@@ -90,7 +93,17 @@ def layer_spec(cfg: ModelConfig):
         from exgrpo_megatron.model.sdpa_attention import SDPADotProductAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
-    return spec
+    if not cfg.fused_norm_rope:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from exgrpo_megatron.model.fused_ops import FusedRMSNorm, FusedRopeSelfAttention
+
+    spec.submodules.input_layernorm = FusedRMSNorm
+    spec.submodules.pre_mlp_layernorm = FusedRMSNorm
+    spec.submodules.self_attention.module = FusedRopeSelfAttention
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage),
+                                      layer_norm=FusedRMSNorm)
 
 
 def build_gpt_model(
@@ -113,7 +126,7 @@ def build_gpt_model(
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=layer_spec(cfg, tcfg, vp_stage),
         vocab_size=padded_vocab_size(
             cfg.vocab_size, cfg.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size
         ),

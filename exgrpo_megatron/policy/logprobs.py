@@ -91,25 +91,24 @@ def chunk_grad(z: Tensor, targets: Tensor, vocab_start: int, row_max: Tensor, lo
     vocab_local = z.shape[-1]
     grad_z = z.sub_((row_max + log_sum_exp).unsqueeze(-1))  # log p = z - row_max - lse_shifted
     g_l = g_logp.unsqueeze(-1)
+    neg_inv_t = -1.0 / temperature  # dz/dlogits = 1/T, folded into the last multiply of each pass
     if g_entropy is not None:
         assert entropy is not None, "an entropy gradient needs the forward's entropy"
-        # grad_z = -p * (g_l + g_H (log p + H)), in the log_p buffer; p = exp(log p) exists for GRAD_BLOCK_ROWS rows
-        # at a time, so the chunk needs one [R, V/tp] buffer, not two
+        # grad_z = -p * (g_l + g_H (log p + H)) / T, in the log_p buffer; p = exp(log p) exists for GRAD_BLOCK_ROWS
+        # rows at a time, so the chunk needs one [R, V/tp] buffer, not two
         h, g_h = entropy.unsqueeze(-1), g_entropy.unsqueeze(-1)
         for r in range(0, grad_z.shape[0], GRAD_BLOCK_ROWS):
             rows = slice(r, r + GRAD_BLOCK_ROWS)
             log_p = grad_z[rows]
-            p = torch.exp(log_p)
-            log_p.add_(h[rows]).mul_(g_h[rows]).add_(g_l[rows]).mul_(p).neg_()
+            p = torch.exp(log_p).mul_(neg_inv_t)
+            log_p.add_(h[rows]).mul_(g_h[rows]).add_(g_l[rows]).mul_(p)
             del p
     else:
-        grad_z.exp_().mul_(g_l).neg_()
+        grad_z.exp_().mul_(g_l * neg_inv_t)
     local_idx = targets - vocab_start
     owned = (local_idx >= 0) & (local_idx < vocab_local)
-    onehot_grad = torch.where(owned, g_logp, torch.zeros_like(g_logp))
+    onehot_grad = torch.where(owned, g_logp / temperature, torch.zeros_like(g_logp))
     grad_z.scatter_add_(-1, local_idx.clamp(0, vocab_local - 1).unsqueeze(-1), onehot_grad.unsqueeze(-1))
-    if temperature != 1.0:
-        grad_z.div_(temperature)
     return grad_z
 
 
