@@ -155,6 +155,16 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
+def round_speedups(records: dict[str, list[list[dict]]]) -> dict[str, dict]:
+    """today / default of each round's own runs (adjacent in time, so a slow spell of the shared box hits both), per
+    target phase, and their median over the rounds: robust to a spike in one run, which the ratio of the
+    all-round means is not."""
+    per_round = {p: [summarise(t)[p] / summarise(d)[p] for t, d in zip(records["today"], records["default"],
+                                                                          strict=True)]
+                 for p in ("train_phase", "step")}
+    return {"per_round": per_round, "median": {p: statistics.median(v) for p, v in per_round.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6)
@@ -205,12 +215,17 @@ def main() -> None:
               f"{speedup.get(p, float('nan')):14.2f} {speedup_1t.get(p, float('nan')):15.2f}")
     for k in ("forward_passes_per_sample", "update_padding_share", "all_padding_share", "reward_mean", "mismatch"):
         print(f"{k:32s} {summary['today'][k]:8.3f} {summary['default'][k]:8.3f} {summary['default_1_thread'][k]:8.3f}")
+    by_round = round_speedups(records)
+    for p, ratios in by_round["per_round"].items():
+        print(f"today/default per round, {p}: {' '.join(f'{x:.2f}' for x in ratios)}; "
+              f"median {by_round['median'][p]:.2f}")
     result = {
         "command": "python bench/demo_step.py " + " ".join(sys.argv[1:]),
         "config": "demo_cpu", "common_overrides": COMMON, "steps": args.steps, "rounds": args.rounds,
         "switches_today": dict(present), "absent_switches": absent,
         "cores": len(os.sched_getaffinity(0)), "load_average_end": os.getloadavg(),
         "speedup_today_over_default": speedup, "speedup_today_over_default_1_thread": speedup_1t,
+        "speedup_today_over_default_by_round": by_round,
         "load_average_start": load_start, "summary": summary, "wall_s_per_run": walls, "per_step": records,
         "targets": {"train_phase": 3.0, "step": 2.0},
     }
