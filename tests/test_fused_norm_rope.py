@@ -92,6 +92,7 @@ def test_rotary_function_matches_megatron_rope_float64():
 def _model_on_vs_off_float64():
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.model import fused_ops
     from exgrpo_megatron.model.builder import build_gpt_model
     from exgrpo_megatron.model.fused_ops import FusedRMSNorm, FusedRopeSelfAttention
     from exgrpo_megatron.policy.batch import collate, forward_inputs
@@ -106,8 +107,15 @@ def _model_on_vs_off_float64():
     fused_modules = {type(m) for m in models[True].modules()} & {FusedRMSNorm, FusedRopeSelfAttention}
     assert len(fused_modules) == 2 and isinstance(models[True].decoder.final_layernorm, FusedRMSNorm)
     assert not {type(m) for m in models[False].modules()} & fused_modules
+    errs = {"rope_calls": 0}  # our RoPE ran (once per layer and forward), megatron's did not
+    tables = fused_ops.rotary_tables
+
+    def counted_tables(*args, **kwargs):
+        errs["rope_calls"] += 1
+        return tables(*args, **kwargs)
+
+    fused_ops.rotary_tables = counted_tables
     seqs, prompts = _batch()
-    errs = {}
     for packed in (False, True):
         mb = collate(seqs, prompts, list(range(len(seqs))), packed=packed)
         out = {}
@@ -124,4 +132,5 @@ def _model_on_vs_off_float64():
 
 def test_model_with_fused_norm_rope_equals_unfused_float64():
     (errs,) = run_on_ranks(_model_on_vs_off_float64, world_size=1)
+    assert errs.pop("rope_calls") == 2 * 2  # tiny_qwen2's 2 layers, padded and packed forwards of the fused model
     assert set(errs) == {"padded", "packed"} and max(errs.values()) < 1e-12, errs

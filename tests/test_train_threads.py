@@ -1,4 +1,5 @@
-"""trainer.train_threads: how many threads the policy's passes get, and that the count is restored after them."""
+"""trainer.train_threads: how many threads the policy's passes get, that the count is restored after them, and that the
+loss and gradients do not depend on it."""
 
 from __future__ import annotations
 
@@ -70,3 +71,24 @@ def test_thread_count_is_set_inside_and_restored_after():
     with torch_threads(before):
         assert torch.get_num_threads() == before
     assert torch.get_num_threads() == before
+
+
+def _one_and_two_threads() -> dict:
+    from tests.test_sequence_packing import PACKED, _policy_run
+
+    out = {}
+    for n in (1, 2):
+        with torch_threads(n):
+            out[n] = _policy_run(1, 1, PACKED) | {"threads": torch.get_num_threads()}
+    return out
+
+
+def test_two_threads_give_the_one_thread_loss_and_gradients():
+    """The switch changes only how many cores the kernels use: Policy.forward_backward (packed, fused output layer)
+    on 2 threads has the 1-thread loss and every gradient, to fp32 summation order."""
+    from tests.helpers.multirank import run_on_ranks
+    from tests.test_sequence_packing import _compare
+
+    (res,) = run_on_ranks(_one_and_two_threads, world_size=1)
+    assert (res[1]["threads"], res[2]["threads"]) == (1, 2)
+    _compare(res[1], res[2])
