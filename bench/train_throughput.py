@@ -68,7 +68,7 @@ PRESETS = {  # name -> ModelConfig overrides
     "63m": dict(num_layers=8, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=2,
                 vocab_size=32000, make_vocab_size_divisible_by=128),  # 63.3M parameters
 }
-# megatron* = our GPTModel (module docstring); the core attention each megatron row's model uses
+# megatron* = our GPTModel (module docstring)
 MODELS = ("megatron", "megatron_unfused", "megatron_dpa", "megatron_logits", "megatron_fused", "hf_sdpa", "hf_eager")
 # megatron row -> (model.core_attention, model.fused_norm_rope) of the model it steps
 MEGATRON_VARIANTS = {"megatron": ("sdpa", True), "megatron_unfused": ("sdpa", False),
@@ -223,10 +223,13 @@ def measure_rss(model_name: str, preset: str, batch: int, seq: int, threads: int
 
 def bench_preset(preset: str, batch: int, seq: int, warmup: int, iters: int, names: list[str]) -> dict:
     cfg, gpt = build_megatron(preset)
-    models = {name: gpt for name, variant in MEGATRON_VARIANTS.items() if variant == MEGATRON_VARIANTS["megatron"]}
-    for name in ("megatron_unfused", "megatron_dpa"):
-        models[name] = build_megatron(preset, *MEGATRON_VARIANTS[name])[1]
-        models[name].load_state_dict(gpt.state_dict())
+    models = {}
+    for name in (n for n in names if n in MEGATRON_VARIANTS):  # rows of the default variant step `gpt` itself
+        if MEGATRON_VARIANTS[name] == MEGATRON_VARIANTS["megatron"]:
+            models[name] = gpt
+        else:
+            models[name] = build_megatron(preset, *MEGATRON_VARIANTS[name])[1]
+            models[name].load_state_dict(gpt.state_dict())
     models.update({name: build_hf(cfg, name.removeprefix("hf_"), gpt) for name in names if name.startswith("hf_")})
     models = {name: models[name] for name in names}
     steps = {name: make_step(name, m, cfg, batch, seq) for name, m in models.items()}

@@ -15,7 +15,8 @@ Masks, in megatron's convention (True = masked):
   right-padded [n, heads, longest, d] batch and run through ONE causal sdpa call (a real query at position p sees
   keys 0..p, all real; the padded queries' outputs are dropped, so they get no gradient), and the real rows are
   copied back. A group's padded slots are at most PACKED_PADDING_LIMIT x its real tokens. RoPE positions were
-  already reset per sequence by megatron's attention layer (`_apply_rotary_pos_emb_thd` with the same cu_seqlens).
+  already reset per sequence by the attention layer, from the same cu_seqlens (`model/fused_ops.rotary_tables`, or
+  megatron's `_apply_rotary_pos_emb_thd` with `model.fused_norm_rope=false`).
 
 Selected by `model.core_attention` (conf/model/*.yaml); Transformer Engine stays the GPU path.
 """
