@@ -59,10 +59,12 @@ def original_loss(b: dict, mixed: bool, micro_per_rank: int) -> torch.Tensor:
     return total / DP_PAPER  # FSDP averages gradients over DP ranks
 
 
-def our_loss(b: dict, mixed: bool, dp: int, seqs_per_rank_ref: float) -> torch.Tensor:
+def our_loss(b: dict, mixed: bool, dp: int, seqs_per_rank_ref: float, entropy_microbatches_ref: float = 1.0
+             ) -> torch.Tensor:
     """Ours on `dp` ranks (each its contiguous share, global counts), summed over ranks as the gradients are."""
     n_tok, n_seq = global_loss_counts(b["mask"].sum(-1).tolist())
-    pg_norm, ent_norm = loss_normalisers(n_tok, n_seq, "token_sum_constant", T_MAX, seqs_per_rank_ref)
+    pg_norm, ent_norm = loss_normalisers(n_tok, n_seq, "token_sum_constant", T_MAX, seqs_per_rank_ref,
+                                         entropy_microbatches_ref)
     total = torch.zeros((), dtype=torch.float64)
     for rows in torch.tensor_split(torch.arange(b["mask"].shape[0]), dp):
         loss, _ = exgrpo_loss(b["lp"][rows], b["old"][rows], b["beh"][rows], b["adv"][rows], b["mask"][rows],
@@ -89,6 +91,28 @@ def test_matches_original_at_paper_layout(mixed, dp):
     assert ours[0] == pytest.approx(ref[0], rel=1e-12)
     torch.testing.assert_close(ours[1], ref[1], rtol=1e-12, atol=1e-18)
     torch.testing.assert_close(ours[2], ref[2], rtol=1e-12, atol=1e-18)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("dp", [1, 2, 8])
+@pytest.mark.parametrize("micro_per_rank", [2, 4])
+def test_entropy_bonus_matches_original_dynamic_micro_batches(mixed, dp, micro_per_rank):
+    """The original SUMS c x token-mean over its dynamic micro-batches (token-balanced, so equal token counts
+    here): with algo.entropy_microbatches_ref = that count, loss value and both gradients equal the original's
+    for any DP size of ours. Without it (ref = 1) the entropy gradient is micro_per_rank x too weak."""
+    ref = value_and_grads(lambda b: original_loss(b, mixed, micro_per_rank=micro_per_rank))
+    ours = value_and_grads(lambda b: our_loss(b, mixed, dp, SEQS_PER_RANK, float(micro_per_rank)))
+    assert ours[0] == pytest.approx(ref[0], rel=1e-12)
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-12, atol=1e-18)
+    torch.testing.assert_close(ours[2], ref[2], rtol=1e-12, atol=1e-18)
+    weak = value_and_grads(lambda b: our_loss(b, mixed, dp, SEQS_PER_RANK, 1.0))
+    torch.testing.assert_close(weak[2] * micro_per_rank, ref[2], rtol=1e-12, atol=1e-18)
+
+
+def test_paper_preset_entropy_weight_is_the_original_layouts():
+    """conf/algo's default is the paper layout's micro-batch count (4); the demo keeps the weight it was tuned at."""
+    assert load_config("exgrpo_7b").algo.entropy_microbatches_ref == 4
+    assert load_config("demo_cpu").algo.entropy_microbatches_ref == 1
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -131,3 +155,5 @@ def test_paper_preset_uses_the_original_layout_value():
 def test_normaliser_rejects_a_non_positive_reference():
     with pytest.raises(ValueError, match="seqs_per_rank_ref"):
         loss_normalisers(10, 2, "token_sum_constant", 8, 0.0)
+    with pytest.raises(ValueError, match="entropy_microbatches_ref"):
+        loss_normalisers(10, 2, "token_mean", 8, 1.0, 0.0)

@@ -59,6 +59,7 @@ class Algorithm:
     entropy_coeff: float
     loss_agg_mode: str
     loss_seqs_per_rank_ref: float
+    entropy_microbatches_ref: float
     max_response_length: int
 
     def clips(self, phase: Phase) -> bool:
@@ -69,7 +70,7 @@ class Algorithm:
     def normalisers(self, num_tokens_global: float, num_seqs_global: float) -> tuple[float, float]:
         """(pg, entropy) normalisers of one mini-batch from its DP-global counts (`loss.global_loss_counts`)."""
         return loss_normalisers(num_tokens_global, num_seqs_global, self.loss_agg_mode, self.max_response_length,
-                                self.loss_seqs_per_rank_ref)
+                                self.loss_seqs_per_rank_ref, self.entropy_microbatches_ref)
 
     def behaviour_logprobs(self, old_logprobs: Tensor, recorded_logprobs: Tensor, replay: Tensor) -> Tensor:
         """The replay ratio's denominator: recorded pi_past on replayed tokens with IS correction, else pi_old."""
@@ -130,4 +131,4 @@ def build_algorithm(a: AlgoConfig, t: TrainerConfig, max_response_length: int) -
         shaping_beta=a.shaping_beta, policy_shaping=a.policy_shaping, mixed_phase_clip=a.mixed_phase_clip,
         exp_is_correct=a.exp_is_correct,
         entropy_coeff=a.entropy_coeff, loss_agg_mode=a.loss_agg_mode, loss_seqs_per_rank_ref=a.loss_seqs_per_rank_ref,
-        max_response_length=max_response_length)
+        entropy_microbatches_ref=a.entropy_microbatches_ref, max_response_length=max_response_length)

@@ -37,12 +37,20 @@ Aggregation modes:
     which equals the original's pg term at 8 ranks x 512 sequences for any DP size / micro-batching of ours, so
     grad clipping (1.0), the skip bound (500) and the balance against the entropy bonus act on the original's
     gradient scale (`tests/test_loss_scale.py` checks it against a float64 re-implementation of L_orig).
-    Entropy bonus: the original's is c * token_mean per micro-batch, SUMMED over its dynamic micro-batches
-    (32768 tokens per GPU), so its weight is c * n_micro with n_micro varying with response lengths; ours is
-    c * the global token mean, the original's at n_micro = 1 (its configured gradient accumulation). With
-    loss_seqs_per_rank_ref = 1 this mode is the older sum / (T_max * N_seq) (64x smaller pg at the paper layout).
+    With loss_seqs_per_rank_ref = 1 this mode is the older sum / (T_max * N_seq) (64x smaller pg at the paper
+    layout).
   token_mean: pg_normaliser = number of valid tokens in the global mini-batch (loss_seqs_per_rank_ref unused).
-  The entropy bonus is the global token mean of H in both modes (entropy_normaliser = global valid tokens).
+
+Entropy bonus (both modes): entropy_normaliser = global valid tokens / M_ref, i.e. the bonus is
+    c * M_ref * (global token mean of H),   M_ref = `algo.entropy_microbatches_ref`.
+The original's bonus is c * token_mean per micro-batch, SUMMED over its dynamic micro-batches (verl's
+`use_dynamic_bsz`: ceil(tokens / 32768) token-balanced micro-batches per GPU), then averaged over ranks: with M
+micro-batches of equal token counts that is exactly c * M * the token mean. M depends on the layout (sequences
+and tokens per GPU), so we fix it at the paper's layout as a constant, like loss_seqs_per_rank_ref: 64 sequences
+per rank of ~2k tokens (a ~250-token prompt + ~1.5-2k-token responses of Qwen2.5-Math-7B) over 32768-token
+micro-batches = 4. Our bonus is then the original's at its layout, whatever our GPU count or micro-batching
+(`tests/test_loss_scale.py`). M_ref = 1 is the original at one micro-batch per rank (its configured gradient
+accumulation), which is what this code did before the constant existed.
 
 Behaviour log-probs for replayed tokens (`select_behaviour_logprobs`): with `exp_is_correct=True` they are the
 log-probs recorded when the trajectory was collected (pi_past), so w is a true per-token importance ratio; with
@@ -64,24 +72,29 @@ LOSS_AGG_MODES = ("token_sum_constant", "token_mean")
 
 def loss_normalisers(
     num_tokens_global: float, num_seqs_global: float, mode: str, max_response_length: int,
-    seqs_per_rank_ref: float = 1.0,
+    seqs_per_rank_ref: float = 1.0, entropy_microbatches_ref: float = 1.0,
 ) -> tuple[float, float]:
     """(pg_normaliser, entropy_normaliser) from the DP-global valid-token and sequence counts.
 
-    token_sum_constant: (max_response_length * num_seqs_global / seqs_per_rank_ref, num_tokens_global)
-    token_mean:         (num_tokens_global, num_tokens_global)
+    token_sum_constant: (max_response_length * num_seqs_global / seqs_per_rank_ref, num_tokens_global / M_ref)
+    token_mean:         (num_tokens_global, num_tokens_global / M_ref)
     seqs_per_rank_ref = the original's sequences per rank per mini-batch at its layout (`algo.loss_seqs_per_rank_ref`,
-    64 for the paper; module docstring). Counts of zero are replaced by 1 so an empty batch gives a zero loss, not NaN.
+    64 for the paper); M_ref = entropy_microbatches_ref, its dynamic micro-batches per rank (4; module docstring).
+    Counts of zero are replaced by 1 so an empty batch gives a zero loss, not NaN.
     """
     num_tokens = max(float(num_tokens_global), 1.0)
+    if entropy_microbatches_ref <= 0:
+        raise ValueError(f"entropy_microbatches_ref must be > 0, got {entropy_microbatches_ref}")
+    entropy_normaliser = num_tokens / float(entropy_microbatches_ref)
     if mode == "token_sum_constant":
         if max_response_length < 1:
             raise ValueError(f"max_response_length must be >= 1, got {max_response_length}")
         if seqs_per_rank_ref <= 0:
             raise ValueError(f"seqs_per_rank_ref must be > 0, got {seqs_per_rank_ref}")
-        return float(max_response_length) * max(float(num_seqs_global), 1.0) / float(seqs_per_rank_ref), num_tokens
+        pg_normaliser = float(max_response_length) * max(float(num_seqs_global), 1.0) / float(seqs_per_rank_ref)
+        return pg_normaliser, entropy_normaliser
     if mode == "token_mean":
-        return num_tokens, num_tokens
+        return num_tokens, entropy_normaliser
     raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
 
 

@@ -99,6 +99,7 @@ class AlgoConfig:
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20
     loss_seqs_per_rank_ref: float = 64.0  # token_sum_constant: the original's sequences per rank (64x8 seqs / 8 GPUs)
+    entropy_microbatches_ref: float = 4.0  # entropy bonus x this: the original's dynamic micro-batches per rank
     policy_shaping: bool = True  # replay tokens: f(w) = w/(w+beta); false = plain IS ratio w ("w/o shaping")
     mixed_phase_clip: bool = False  # PPO clip on fresh tokens in the mixed phase too (paper §D.1: off)
 
