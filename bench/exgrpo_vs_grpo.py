@@ -1,27 +1,36 @@
-"""ExGRPO vs on-policy GRPO and the paper's ablations on the fidelity miniature (issue 15), resumably.
+"""ExGRPO vs on-policy GRPO, the paper's ablations and the weak-start regime, resumably.
 
-Protocol (preset `conf/fidelity_cpu.yaml`; every variant is a list of config overrides, never a code fork):
+Protocols (`--protocol`; every variant is a list of config overrides, never a code fork):
+* paper_ratio (default; preset `conf/paper_ratio_cpu.yaml`): the paper's regime -- 360 distinct training questions
+  per batch slot, ~1 epoch of fresh draws for ExGRPO and ~2 for GRPO, 2 updates per step, delayed start 0.35;
+* fidelity (preset `conf/fidelity_cpu.yaml`): the earlier miniature (24 questions per batch slot), kept so its
+  records (bench/results/fidelity_runs/) stay reproducible.
+Method:
 * equal rollout budget: both arms run the same steps x B prompts x K rollouts; ExGRPO generates K-1 per replayed
   question (the stored trajectory is the K-th), so it gets at most as many generated trajectories as GRPO
   (counted and reported; curves are plotted against generated trajectories);
-* learning rate: each arm sweeps `--lrs` (>= 3 values) on `--sweep-seeds`; its best rate is the one with the
-  highest mean final VALIDATION accuracy (val/avg@1, T=0.6); the final numbers use that rate on `--seeds` (>= 5)
-  and are measured on the separate TEST split (tools/arithmetic_eval.py test: greedy accuracy, avg@8 at T=0.6
-  and T=1.0);
-* ablations (`ABLATIONS`): at ExGRPO's best rate, `--ablation-seeds` (>= 3) seeds each;
-* stability: both arms at `--stability-lr-factor` x the largest swept rate, `--ablation-seeds` seeds;
-* diagnosis (`DIAGNOSES`, beyond the paper): ExGRPO variants at GRPO's best rate and the stability rate, paired in
-  the analysis with both arms at the same rate.
-A run lives in `<root>/<variant>_lr<lr>_seed<seed>/` (git-ignored: checkpoints, logs); when it finishes, its record
-(config.yaml, metrics.jsonl, test_eval.json) is copied to `--records` (bench/results/fidelity_runs/, committed), and
-a run with a record is never re-run, so the grid advances across sessions and machines. An interrupted run resumes
-from its newest checkpoint (checkpoint.resume=auto). The analysis (bench/fidelity_analysis.py) reads the records
-only. Runs of one seed share the cached supervised warm start (in <root>: rebuilt, identically, on a fresh machine):
-only one of them trains it, the others wait for the cache.
+* learning rate: each arm sweeps `--lrs` (>= 4 values) on `--sweep-seeds`; its best rate is the one with the
+  highest mean final VALIDATION accuracy (val/avg@1, T=0.6), reported with whether it is interior to the grid
+  (extend `--lrs` until it is); the final numbers use that rate on `--seeds` (>= 5) and are measured on the
+  separate TEST split (tools/arithmetic_eval.py test: greedy accuracy, avg@8 at T=0.6 and T=1.0);
+* ablations (`ABLATIONS`, paper Tab. 6 and Tab. 3): at ExGRPO's best rate, `--ablation-seeds` (>= 3) seeds each;
+* weak start (`WEAK_START`, paper Tab. 5's Llama-3.1-8B base): a shorter warm start (batch pass rate <= 10%),
+  delayed start off, both arms at their chosen rates; the warm start itself is evaluated on the test split too
+  (start_eval.json), so a run's final accuracy is compared with its start (collapse: below the start, or fresh
+  reward 0 over the last 10% of steps);
+* stability / diagnosis (fidelity protocol): both arms at `--stability-lr-factor` x the largest rate; ExGRPO with
+  its fresh tokens clipped in the mixed phase.
+One precision (the preset pins model.params_dtype) and one code version per comparison: each run records the
+commit that trained it (provenance.json). A run lives in `<root>/<variant>_lr<lr>_seed<seed>/` (git-ignored:
+checkpoints, logs); when it finishes, its record (RECORD_FILES) is copied to `--records` (committed), and a run
+with a record is never re-run, so the grid advances across sessions and machines. An interrupted run resumes from
+its newest checkpoint (checkpoint.resume=auto). The analysis (bench/fidelity_analysis.py) reads the records only.
+Runs that share a warm start (same seed and warm-start settings) share its cache: one trains it, the others wait.
 
-    .venv/bin/python bench/exgrpo_vs_grpo.py --plan                # runs, status, estimated CPU time
-    .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 2  # then final, ablation, stability, diagnosis
-    .venv/bin/python bench/exgrpo_vs_grpo.py --analyse-only        # tables + JSON + PNG from what exists
+    .venv/bin/python bench/exgrpo_vs_grpo.py --plan                  # runs, status, estimated CPU time
+    .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 1  # then final, ablation, weak_start
+    .venv/bin/python bench/exgrpo_vs_grpo.py --analyse-only          # tables + JSON + PNG from what exists
+    .venv/bin/python bench/exgrpo_vs_grpo.py --protocol fidelity --analyse-only   # the earlier miniature
 """
 
 from __future__ import annotations
@@ -53,11 +62,26 @@ ABLATIONS: dict[str, list[str]] = {
     "no_is_correction": ["algo.exp_is_correct=false"],
     "rho_0.25": ["trainer.experience_ratio=0.25"],
     "rho_0.75": ["trainer.experience_ratio=0.75"],
+    "sigma_0.5": ["trainer.exp_bucket_sigma=0.5"],  # Tab. 3: narrower bucket weights (count units, as the code)
+    "sigma_1.5": ["trainer.exp_bucket_sigma=1.5"],  # Tab. 3: closer to uniform
+    "mu_0.25": ["trainer.exp_bucket_mu=0.25"],  # Tab. 3: centred on harder questions (k = K/4)
 }
+# Paper Tab. 5 / Fig. 4 (Llama-3.1-8B base): a weak start, delayed start off as the paper runs it for Llama.
+WEAK_START_OVERRIDES = ["trainer.sft_warm_start_steps=150", "trainer.experience_start_sratio=0"]
+WEAK_START: dict[str, list[str]] = {f"weak_{arm}": [*ov, *WEAK_START_OVERRIDES] for arm, ov in
+                                    (("exgrpo", []), ("grpo", ["algo.name=grpo"]))}
 # Beyond the paper (issue 15, item 6): ExGRPO with its fresh tokens clipped in the mixed phase as the GRPO arm's are
 # throughout, at GRPO's best rate and the stability rate, where unclipped ExGRPO falls behind.
 DIAGNOSES: dict[str, list[str]] = {"exgrpo_mixed_clip": ["algo.mixed_phase_clip=true"]}
-PHASES = ("sweep", "final", "ablation", "stability", "diagnosis")
+PHASES = ("sweep", "final", "ablation", "weak_start", "stability", "diagnosis")
+PROTOCOLS: dict[str, dict] = {
+    "paper_ratio": dict(config_name="paper_ratio_cpu", root="bench_paper_ratio", records="paper_ratio_runs",
+                        out="exgrpo_vs_grpo_paper_ratio", lrs=[2.5e-5, 5e-5, 1e-4, 2e-4], sweep_seeds=[1, 2],
+                        phases=["sweep", "final", "ablation", "weak_start"]),
+    "fidelity": dict(config_name="fidelity_cpu", root="bench_fidelity", records="fidelity_runs",
+                     out="exgrpo_vs_grpo_fidelity", lrs=[2.5e-5, 5e-5, 1e-4], sweep_seeds=[1, 2, 3, 4, 5],
+                     phases=["sweep", "final", "ablation", "stability", "diagnosis"]),
+}
 
 
 @dataclass
@@ -71,7 +95,7 @@ class Run:
 
     @property
     def overrides(self) -> list[str]:
-        return {**ARMS, **ABLATIONS, **DIAGNOSES}[self.variant]
+        return {**ARMS, **ABLATIONS, **DIAGNOSES, **WEAK_START}[self.variant]
 
     @property
     def done(self) -> bool:
@@ -81,10 +105,28 @@ class Run:
         """Copy a finished run's record (test_eval.json last: its presence marks the record complete)."""
         os.makedirs(self.record_dir, exist_ok=True)
         for name in RECORD_FILES:
-            shutil.copyfile(os.path.join(self.run_dir, name), os.path.join(self.record_dir, name))
+            if os.path.isfile(os.path.join(self.run_dir, name)):  # provenance/start_eval: newer records only
+                shutil.copyfile(os.path.join(self.run_dir, name), os.path.join(self.record_dir, name))
 
 
-RECORD_FILES = ("config.yaml", "metrics.jsonl", "test_eval.json")
+RECORD_FILES = ("config.yaml", "metrics.jsonl", "provenance.json", "start_eval.json", "test_eval.json")
+
+
+def code_version() -> str:
+    """The commit the run's code is at, with '+dirty' when tracked files differ from it."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def note_provenance(run: Run) -> None:
+    """Append this launch's code version to the run's provenance (a resumed run lists every launch)."""
+    path = os.path.join(run.run_dir, "provenance.json")
+    prov = json.load(open(path)) if os.path.isfile(path) else {"launches": []}
+    prov["launches"].append({"code_version": code_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                     time.gmtime())})
+    with open(path, "w") as fh:
+        json.dump(prov, fh, indent=1)
 
 
 def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> list[Run]:
@@ -107,6 +149,8 @@ def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> lis
                 add(phase, arm, best_lr[arm], args.seeds)
             elif phase == "stability":
                 add(phase, arm, max(args.lrs) * args.stability_lr_factor, args.ablation_seeds)
+            elif phase == "weak_start":
+                add(phase, f"weak_{arm}", best_lr[arm], args.seeds)
         if phase == "ablation":
             for name in ABLATIONS:
                 add(phase, name, best_lr["exgrpo"], args.ablation_seeds)
@@ -114,7 +158,7 @@ def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> lis
             for name in DIAGNOSES:
                 for lr in (best_lr["grpo"], max(args.lrs) * args.stability_lr_factor):
                     add(phase, name, lr, args.ablation_seeds)
-    return list(runs.values())
+    return sorted(runs.values(), key=lambda r: (PHASES.index(r.phase), r.seed, r.lr, r.variant))
 
 
 def train_argv(args: argparse.Namespace, run: Run) -> list[str]:
@@ -125,17 +169,24 @@ def train_argv(args: argparse.Namespace, run: Run) -> list[str]:
             *args.override, *run.overrides]
 
 
-def eval_argv(run: Run) -> list[str]:
-    return [sys.executable, os.path.join(REPO, "tools", "arithmetic_eval.py"), "test", "--run-dir", run.run_dir,
-            "--out", os.path.join(run.run_dir, "test_eval.json")]
+def eval_argv(args: argparse.Namespace, run: Run) -> list[str]:
+    """The test-split evaluation of the finished run, preceded for weak-start runs by that of its warm start."""
+    tool = [sys.executable, os.path.join(REPO, "tools", "arithmetic_eval.py"), "test", "--run-dir", run.run_dir]
+    final = [*tool, "--out", os.path.join(run.run_dir, "test_eval.json")]
+    if run.phase != "weak_start":
+        return final
+    start = [*tool, "--weights", os.path.dirname(warm_start_ready(args, run)),
+             "--out", os.path.join(run.run_dir, "start_eval.json")]
+    return [*start, "&&", *final]
 
 
-def warm_start_ready(args: argparse.Namespace, seed: int) -> str:
-    """Path whose existence means the seed's warm start is cached (same key as the trainer computes)."""
+def warm_start_ready(args: argparse.Namespace, run: Run) -> str:
+    """Path whose existence means the run's warm start is cached (same key as the trainer computes)."""
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.policy.warm_start import cache_key
 
-    cfg = load_config(args.config_name, [f"seed={seed}", f"trainer.sft_cache_dir={args.sft_cache}", *args.override])
+    cfg = load_config(args.config_name, [f"seed={run.seed}", f"trainer.sft_cache_dir={args.sft_cache}",
+                                         *args.override, *run.overrides])
     return os.path.join(args.sft_cache, cache_key(cfg), "model_config.yaml")
 
 
@@ -151,25 +202,27 @@ def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
         if not run.done and os.path.isfile(os.path.join(run.run_dir, "test_eval.json")):
             run.keep_record()
     pending = [r for r in runs if not r.done]
-    ready = {seed: warm_start_ready(args, seed) for seed in {r.seed for r in pending}}
-    warming: set[int] = set()
+    ready = {r.run_dir: warm_start_ready(args, r) for r in pending}
+    warming: set[str] = set()
     running: dict[str, tuple[Run, subprocess.Popen, float]] = {}
     failed = []
     while pending or running:
         for run in list(pending):
             if len(running) >= args.jobs:
                 break
-            if not os.path.isfile(ready[run.seed]):
-                if run.seed in warming:
-                    continue  # another run of this seed is training the shared warm start
-                warming.add(run.seed)
+            if not os.path.isfile(ready[run.run_dir]):
+                if ready[run.run_dir] in warming:
+                    continue  # another run is training the shared warm start
+                warming.add(ready[run.run_dir])
             os.makedirs(run.run_dir, exist_ok=True)
+            note_provenance(run)
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MASTER_PORT=str(free_port()),
                        HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                        PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
             for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
                 env.pop(var, None)
-            script = f"{shlex.join(train_argv(args, run))} && {shlex.join(eval_argv(run))}"
+            evals = " ".join(a if a == "&&" else shlex.quote(a) for a in eval_argv(args, run))
+            script = f"{shlex.join(train_argv(args, run))} && {evals}"
             print(f"[bench] start {os.path.basename(run.run_dir)} ({run.phase})", file=sys.stderr)
             with open(os.path.join(run.run_dir, "bench.log"), "a") as log:
                 proc = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, stdout=log,
@@ -186,10 +239,10 @@ def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
                 else:
                     finished.keep_record()
                 del running[key]
-                seed = finished.seed
-                if not os.path.isfile(ready[seed]):  # its warm start failed: the seed's other runs cannot start
-                    failed += [f"{r.run_dir} (no warm start for seed {seed})" for r in pending if r.seed == seed]
-                    pending = [r for r in pending if r.seed != seed]
+                cache = ready[key]
+                if not os.path.isfile(cache):  # its warm start failed: the runs sharing it cannot start
+                    failed += [f"{r.run_dir} (no warm start {cache})" for r in pending if ready[r.run_dir] == cache]
+                    pending = [r for r in pending if ready[r.run_dir] != cache]
     return failed
 
 
@@ -207,7 +260,7 @@ def estimate_cpu_s(args: argparse.Namespace, runs: list[Run], seconds_per_step: 
     test_s = d.num_test_examples * 17 / (t.train_batch_size * cfg.rollout.n) * seconds_per_step * 0.5
     warm_s = t.sft_warm_start_steps * args.warm_start_step_seconds
     todo = [r for r in runs if not r.done]
-    new_seeds = {r.seed for r in todo if not os.path.isfile(warm_start_ready(args, r.seed))}
+    new_seeds = {p for p in (warm_start_ready(args, r) for r in todo) if not os.path.isfile(p)}
     train_s = (len(todo) + unplanned) * (t.total_steps * seconds_per_step + val_s + test_s)
     return {"runs_total": len(runs) + unplanned, "runs_todo": len(todo) + unplanned,
             "runs_waiting_for_lr_choice": unplanned, "train_eval_cpu_s": round(train_s),
@@ -217,19 +270,21 @@ def estimate_cpu_s(args: argparse.Namespace, runs: list[Run], seconds_per_step: 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config-name", default="fidelity_cpu")
-    p.add_argument("--root", default=os.path.join(REPO, "runs", "bench_fidelity"))
-    p.add_argument("--records", default=os.path.join(HERE, "results", "fidelity_runs"),
-                   help="finished runs' records (committed); the analysis reads these")
-    p.add_argument("--phase", nargs="+", choices=PHASES, default=list(PHASES))
-    p.add_argument("--lrs", type=float, nargs="+", default=[2.5e-5, 5e-5, 1e-4])
-    p.add_argument("--sweep-seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5],
-                   help="the sweep runs every final seed: the final numbers are its runs at the chosen rates")
+    p.add_argument("--protocol", choices=sorted(PROTOCOLS), default="paper_ratio",
+                   help="preset, run/record folders, rate grid, sweep seeds and phases (flags below override)")
+    p.add_argument("--config-name", default=None)
+    p.add_argument("--root", default=None, help="run directories (default runs/<protocol root>)")
+    p.add_argument("--records", default=None,
+                   help="finished runs' records (committed; default bench/results/<protocol records>)")
+    p.add_argument("--phase", nargs="+", choices=PHASES, default=None)
+    p.add_argument("--lrs", type=float, nargs="+", default=None)
+    p.add_argument("--sweep-seeds", type=int, nargs="+", default=None,
+                   help="seeds of the rate sweep; the final seeds reuse its runs at the chosen rates")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--ablation-seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--stability-lr-factor", type=float, default=3.0,
                    help="x the largest swept rate (demo_cpu: 2e-4 and 3e-4 blew the entropy up)")
-    p.add_argument("--jobs", type=int, default=2, help="runs at once (each one process)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (each one process)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     p.add_argument("--override", nargs="*", default=[], help="extra overrides for every run")
     p.add_argument("--threshold", type=float, default=0.5, help="validation accuracy for trajectories-to-threshold")
@@ -238,14 +293,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-seconds", type=float, default=None,
                    help="seconds per RL step for --plan (default: median of finished runs, else 6.0)")
     p.add_argument("--warm-start-step-seconds", type=float, default=1.5)
-    p.add_argument("--out-json", default=os.path.join(HERE, "results", "exgrpo_vs_grpo_fidelity.json"))
-    p.add_argument("--out-png", default=os.path.join(HERE, "results", "exgrpo_vs_grpo_fidelity.png"))
+    p.add_argument("--out-json", default=None)
+    p.add_argument("--out-png", default=None)
     args = p.parse_args(argv)
-    args.root = os.path.abspath(args.root)
-    args.records = os.path.abspath(args.records)
+    proto = PROTOCOLS[args.protocol]
+    args.config_name = args.config_name or proto["config_name"]
+    args.root = os.path.abspath(args.root or os.path.join(REPO, "runs", proto["root"]))
+    args.records = os.path.abspath(args.records or os.path.join(HERE, "results", proto["records"]))
+    args.phase = args.phase or proto["phases"]
+    args.lrs = args.lrs or proto["lrs"]
+    args.sweep_seeds = args.sweep_seeds or proto["sweep_seeds"]
+    args.out_json = args.out_json or os.path.join(HERE, "results", proto["out"] + ".json")
+    args.out_png = args.out_png or os.path.join(HERE, "results", proto["out"] + ".png")
     args.sft_cache = os.path.join(args.root, "sft_cache")
-    if len(args.lrs) < 3 or len(args.seeds) < 5 or len(args.ablation_seeds) < 3:
-        print("[bench] note: fewer than 3 rates / 5 final seeds / 3 ablation seeds is below the issue-15 protocol",
+    if len(args.lrs) < 4 or len(args.seeds) < 5 or len(args.ablation_seeds) < 3:
+        print("[bench] note: fewer than 4 rates / 5 final seeds / 3 ablation seeds is below the protocol",
               file=sys.stderr)
     return args
 
