@@ -333,10 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     failed = [] if args.analyse_only else execute(args, runs)
     summary = fa.analyse(args.records, ARMS, ABLATIONS, best, args.seeds, args.ablation_seeds, args.threshold,
-                         args.lrs, args.stability_lr_factor, args.out_png, DIAGNOSES)
+                         args.lrs, args.stability_lr_factor, args.out_png, DIAGNOSES, args.sweep_seeds)
     summary.update(command=shlex.join(["bench/exgrpo_vs_grpo.py", *(argv if argv is not None else sys.argv[1:])]),
                    config_name=args.config_name, arm_overrides=ARMS, ablation_overrides=ABLATIONS, lrs=args.lrs,
-                   diagnosis_overrides=DIAGNOSES, sweep_seeds=args.sweep_seeds, seeds=args.seeds,
+                   diagnosis_overrides=DIAGNOSES, weak_start_overrides=WEAK_START, sweep_seeds=args.sweep_seeds,
+                   seeds=args.seeds,
                    ablation_seeds=args.ablation_seeds,
                    failed_runs=failed, cpu_count=os.cpu_count(), loadavg=os.getloadavg())
     summary["markdown"] = fa.markdown_tables(summary)  # README-ready; also written beside the JSON as .md

@@ -22,7 +22,11 @@ CURVES = ("val", "entropy/mean", "replay/token_fraction", "replay/is_weight_mean
 # The paper's Qwen2.5-Math-7B in-distribution averages (Tab. 6 / Tab. 3; shared/docs/exgrpo_algorithm.md §5).
 PAPER_ID_AVG = {"exgrpo": 48.3, "no_question_selection": 46.7, "random_trajectory": 46.3,
                 "highest_entropy_trajectory": 46.0, "no_policy_shaping": 41.2, "no_is_correction": 47.1,
-                "rho_0.25": 46.4, "rho_0.75": 44.8}
+                "rho_0.25": 46.4, "rho_0.75": 44.8, "sigma_0.5": 46.2, "sigma_1.5": 46.2, "mu_0.25": 46.3}
+# Paper Tab. 5, Llama-3.1-8B base (ID avg / OOD avg): start 3.7 / 1.3, on-policy 3.4 / 1.2, ExGRPO 6.1 / 30.8.
+PAPER_WEAK_START = {"start": 3.7, "grpo": 3.4, "exgrpo": 6.1}
+COLLAPSE_KEY = "avg@8_T0.6"  # a weak-start run collapses if it ends below its start on this test metric ...
+COLLAPSE_TAIL = 0.1  # ... or its fresh reward is 0 over this last fraction of its steps
 
 
 def run_dir(root: str, variant: str, lr: float, seed: int) -> str:
@@ -54,12 +58,12 @@ def load_run(path: str) -> dict | None:
         val = next((float(v) for k, v in r.items() if k.startswith("val/") and v is not None), None)
         if val is not None:
             out.setdefault("val", []).append((r["step"], total, val))
-    test = os.path.join(path, "test_eval.json")
-    if os.path.isfile(test):
-        import json
+    for name, key in (("test_eval.json", "test"), ("start_eval.json", "start")):  # start: the warm start's
+        if os.path.isfile(os.path.join(path, name)):
+            import json
 
-        with open(test) as fh:
-            out["test"] = json.load(fh)
+            with open(os.path.join(path, name)) as fh:
+                out[key] = json.load(fh)
     return out
 
 
@@ -83,16 +87,50 @@ def final_val(run: dict | None) -> float | None:
 
 
 def best_learning_rates(root: str, arms: list[str], lrs: list[float], seeds: list[int]) -> dict[str, dict | None]:
-    """Per arm, the swept rate with the highest mean final validation accuracy over `seeds` (all finished)."""
-    out: dict[str, dict | None] = {}
-    for arm in arms:
-        scores = {}
-        for lr in lrs:
-            vals = [final_val(load_run(run_dir(root, arm, lr, s))) for s in seeds]
-            if all(v is not None for v in vals):
-                scores[lr] = statistics.fmean(vals)
-        complete = len(scores) == len(lrs)
-        out[arm] = {"lr": max(scores, key=scores.get), "val_by_lr": scores} if complete else None
+    """Per arm, the swept rate with the highest mean final validation accuracy over `seeds` (all finished), and
+    whether it is interior to the grid (neither its smallest nor its largest rate)."""
+    return {arm: choose_rate(sweep_scores(root, arm, lrs, seeds), lrs) for arm in arms}
+
+
+def choose_rate(scores: dict[float, float], lrs: list[float]) -> dict | None:
+    """The best-scoring rate once every rate of the grid has a score, and whether it is interior to the grid
+    (neither end: a choice at an end means the optimum was not located, so the grid must be extended)."""
+    if len(scores) < len(lrs):
+        return None
+    best = max(scores, key=scores.__getitem__)
+    return {"lr": best, "val_by_lr": scores, "interior": min(lrs) < best < max(lrs)}
+
+
+def sweep_scores(root: str, arm: str, lrs: list[float], seeds: list[int]) -> dict[float, float]:
+    """Mean final validation accuracy per swept rate whose runs on every seed have finished."""
+    scores = {}
+    for lr in lrs:
+        vals = [final_val(load_run(run_dir(root, arm, lr, s))) for s in seeds]
+        if all(v is not None for v in vals):
+            scores[lr] = statistics.fmean(v for v in vals if v is not None)
+    return scores
+
+
+def collapsed(run: dict) -> bool:
+    """Ends below its warm start on the test split, or fresh reward 0 over the last COLLAPSE_TAIL of its steps."""
+    tail = run["reward/fresh_mean"][-max(1, int(len(run["steps"]) * COLLAPSE_TAIL)):]
+    below = "start" in run and run["test"][COLLAPSE_KEY] < run["start"][COLLAPSE_KEY]
+    return below or max(tail) == 0.0
+
+
+def weak_start_verdict(root: str, best: dict, seeds: list[int], threshold: float) -> dict:
+    """Per arm at its chosen rate: start and final test accuracy, final minus start (95% CI), collapsed runs."""
+    out: dict = {}
+    for arm, choice in best.items():
+        if not choice:
+            continue
+        runs = [r for r in _runs_by_seed(root, f"weak_{arm}", choice["lr"], seeds).values()
+                if "test" in r and "start" in r]
+        if runs:
+            out[arm] = {"lr": choice["lr"], **summarize(runs, threshold),
+                        "start": {k: ci95([r["start"][k] for r in runs]) for k in TEST_KEYS},
+                        "final_minus_start": {k: ci95([r["test"][k] - r["start"][k] for r in runs]) for k in TEST_KEYS},
+                        "collapsed": f"{sum(collapsed(r) for r in runs)}/{len(runs)}"}
     return out
 
 
@@ -138,7 +176,7 @@ def _runs_by_seed(root: str, variant: str, lr: float, seeds: list[int]) -> dict[
 
 def analyse(root: str, arms: dict, ablations: dict, best: dict, seeds: list[int], ablation_seeds: list[int],
             threshold: float, lrs: list[float], stability_factor: float, png: str,
-            diagnoses: dict | None = None) -> dict:
+            diagnoses: dict | None = None, sweep_seeds: list[int] | None = None) -> dict:
     result: dict = {"protocol_note": __doc__.strip().splitlines()[0], "threshold_val_acc": threshold,
                     "best_lr": best, "arms": {}, "paired": {}, "ablations": {}, "stability": {}, "diagnosis": {}}
     curves: dict[str, list[dict]] = {}
@@ -169,6 +207,9 @@ def analyse(root: str, arms: dict, ablations: dict, best: dict, seeds: list[int]
                 for arm in arms:
                     row[f"minus_{arm}"] = paired_difference(runs_by_seed, _runs_by_seed(root, arm, lr, ablation_seeds))
                 result["diagnosis"][f"{name} ({lr:g})"] = row
+    result["weak_start"] = weak_start_verdict(root, best, seeds, threshold)
+    result["sweep"] = {arm: {f"{lr:g}": v for lr, v in sweep_scores(root, arm, lrs, sweep_seeds or seeds).items()}
+                       for arm in arms}  # mean final validation per finished rate (also while the sweep runs)
     if curves:
         plot(curves, png, paired=(by_seed["exgrpo"], by_seed["grpo"]) if result["paired"] else None)
         result["png"] = os.path.relpath(png, os.path.dirname(os.path.dirname(png)))
@@ -238,7 +279,7 @@ def plot(curves: dict[str, list[dict]], path: str, paired: tuple[dict, dict] | N
                      "pool buckets (exgrpo, first seed)" if key == "buckets" else key)
         ax.set_xlabel("generated trajectories")
         ax.legend(fontsize="small")
-    fig.suptitle("fidelity_cpu: ExGRPO vs on-policy GRPO, each at its best learning rate (mean, 95% CI over seeds)")
+    fig.suptitle("ExGRPO vs on-policy GRPO, each at its best learning rate (mean, 95% CI over seeds)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -277,9 +318,19 @@ def markdown_tables(summary: dict) -> str:
     """README tables (accuracy in points, mean ± 95% CI over seeds): the arms, their paired difference, the
     ablations beside the paper's numbers, the high-learning-rate runs."""
     keys = ("greedy", "avg@8_T0.6", "avg@8_T1", "final_val")
+    lines_sweep = []
+    if summary.get("sweep"):
+        grid = summary.get("lrs") or sorted({float(lr) for v in summary["sweep"].values() for lr in v})
+        lines_sweep = ["| validation (final, T=0.6) by rate | " + " | ".join(f"{lr:g}" for lr in grid)
+                       + " | chosen | interior |", "|---" * (len(grid) + 3) + "|"]
+        for arm, by_lr in summary["sweep"].items():
+            best = (summary.get("best_lr") or {}).get(arm) or {}
+            cells = " | ".join(f"{by_lr[f'{lr:g}'] * 100:.1f}" if f"{lr:g}" in by_lr else "..." for lr in grid)
+            lines_sweep.append(f"| {arm} | {cells} | {best.get('lr', 'pending')} | {best.get('interior', 'pending')} |")
+        lines_sweep.append("")
     head = "| greedy | avg@8 T=0.6 | avg@8 T=1.0 | val (final) |"
     rule = "|---|---" + "|---" * len(keys) + "|"
-    lines = ["| arm (lr) | seeds " + head, rule]
+    lines = [*lines_sweep, "| arm (lr) | seeds " + head, rule]
     for arm, row in summary.get("arms", {}).items():
         cells = " | ".join(_md(row[k]) for k in keys)
         lines.append(f"| {arm} ({row['lr']:g}) | {row['greedy']['n']} | {cells} |")
@@ -301,6 +352,14 @@ def markdown_tables(summary: dict) -> str:
             lines.append(f"| {name} | {row['greedy']['n']} | {_md(row['greedy'])} | "
                          f"{_md(row['minus_exgrpo']['greedy'], signed=True)} | "
                          f"{_md(row['minus_grpo']['greedy'], signed=True)} | {_md(row['avg@8_T1'])} |")
+    if summary.get("weak_start"):
+        lines += ["", "| weak start (lr) | seeds | start avg@8 T=0.6 | final avg@8 T=0.6 | final - start (paired) "
+                  "| greedy final - start | collapsed |", "|---|---|---|---|---|---|---|"]
+        for arm, row in summary["weak_start"].items():
+            d = row["final_minus_start"]
+            lines.append(f"| {arm} ({row['lr']:g}) | {row['greedy']['n']} | {_md(row['start']['avg@8_T0.6'])} | "
+                         f"{_md(row['avg@8_T0.6'])} | {_md(d['avg@8_T0.6'], signed=True)} | "
+                         f"{_md(d['greedy'], signed=True)} | {row['collapsed']} |")
     if summary.get("stability"):
         lines += ["", "| high learning rate | seeds " + head, rule]
         for arm, row in summary["stability"].items():

@@ -147,19 +147,35 @@ def _bench_module():
     return module
 
 
-def test_every_bench_variant_is_a_valid_config_override():
+@pytest.mark.parametrize("preset", ["fidelity_cpu", "paper_ratio_cpu"])
+def test_every_bench_variant_is_a_valid_config_override(preset):
     bench = _bench_module()
-    for name, overrides in {**bench.ARMS, **bench.ABLATIONS, **bench.DIAGNOSES}.items():
-        cfg = load_config("fidelity_cpu", overrides)
+    for name, overrides in {**bench.ARMS, **bench.ABLATIONS, **bench.DIAGNOSES, **bench.WEAK_START}.items():
+        cfg = load_config(preset, overrides)
         assert config_errors(cfg, world_size=1) == [], name
         if name != "exgrpo":
-            assert cfg != load_config("fidelity_cpu"), f"{name} changes nothing"
+            assert cfg != load_config(preset), f"{name} changes nothing"
+
+
+def test_paper_ratio_preset_mirrors_the_paper_ratios():
+    """>= 300 distinct training questions per batch slot (paper 46k / 128 = 360); ExGRPO's fresh draws cover the
+    training set about once and GRPO's about twice; 2 updates per step; one pinned precision."""
+    cfg = load_config("paper_ratio_cpu")
+    t, d = cfg.trainer, cfg.data
+    assert d.num_train_examples / t.train_batch_size >= 300
+    grpo_epochs = t.total_steps * t.train_batch_size / d.num_train_examples
+    exgrpo_epochs = t.total_steps * t.train_batch_size * (1 - t.experience_ratio) / d.num_train_examples
+    assert 1.8 <= grpo_epochs <= 2.2 and 0.9 <= exgrpo_epochs <= 1.1
+    assert t.train_batch_size // t.ppo_mini_batch_size == 2 and cfg.rollout.n == 8
+    assert t.experience_start_sratio == 0.35 and cfg.model.params_dtype == "fp32"
+    assert cfg.algo.entropy_microbatches_ref == 4 and cfg.algo.loss_seqs_per_rank_ref == 64
 
 
 def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     bench = _bench_module()
-    args = bench.parse(["--root", str(tmp_path / "runs"), "--records", str(tmp_path / "records"),
-                        "--phase", "sweep", "final", "ablation", "stability", "diagnosis", "--sweep-seeds", "1", "2"])
+    args = bench.parse(["--protocol", "fidelity", "--root", str(tmp_path / "runs"), "--records",
+                        str(tmp_path / "records"), "--phase", "sweep", "final", "ablation", "stability", "diagnosis",
+                        "--sweep-seeds", "1", "2"])
     best = {"exgrpo": 5e-5, "grpo": 1e-4}
     runs = bench.plan_runs(args, best)
     dirs = [r.run_dir for r in runs]
@@ -185,6 +201,45 @@ def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     high_lr_diagnosis = [r for r in by_phase["diagnosis"] if r.lr != best["grpo"]]  # needs no learning-rate choice
     assert bench.plan_runs(args, {"exgrpo": None, "grpo": None}) == (by_phase["sweep"] + by_phase["stability"]
                                                                       + high_lr_diagnosis)
+
+
+def test_weak_start_runs_use_each_arms_rate_and_their_own_warm_start(tmp_path):
+    bench = _bench_module()
+    args = bench.parse(["--root", str(tmp_path / "runs"), "--records", str(tmp_path / "records")])
+    assert args.config_name == "paper_ratio_cpu" and len(args.lrs) >= 4
+    best = {"exgrpo": 5e-5, "grpo": 1e-4}
+    weak = [r for r in bench.plan_runs(args, best) if r.phase == "weak_start"]
+    assert {(r.variant, r.lr) for r in weak} == {("weak_exgrpo", 5e-5), ("weak_grpo", 1e-4)}
+    assert len(weak) == 2 * len(args.seeds)
+    normal = bench.Run("final", "exgrpo", 5e-5, 1, "x", "y")
+    weak_exgrpo, weak_grpo = (next(r for r in weak if r.seed == 1 and r.variant == v) for v in WEAK_ARMS)
+    # the weak start is a different (shorter) warm start, shared by the two arms of a seed
+    assert bench.warm_start_ready(args, weak_exgrpo) == bench.warm_start_ready(args, weak_grpo)
+    assert bench.warm_start_ready(args, weak_exgrpo) != bench.warm_start_ready(args, normal)
+    assert "--weights" in bench.eval_argv(args, weak_exgrpo) and "--weights" not in bench.eval_argv(args, normal)
+
+
+WEAK_ARMS = ("weak_exgrpo", "weak_grpo")
+
+
+def test_weak_start_verdict_counts_collapses_and_the_rate_choice_is_marked_interior(tmp_path):
+    fa = _bench_module().fa
+
+    def run(start: float, final: float, fresh_tail: float) -> dict:
+        return {"test": {"greedy": final, "avg@8_T0.6": final, "avg@8_T1": final},
+                "start": {"greedy": start, "avg@8_T0.6": start, "avg@8_T1": start},
+                "steps": list(range(1, 21)), "reward/fresh_mean": [0.1] * 18 + [fresh_tail] * 2}
+
+    assert fa.collapsed(run(0.2, 0.1, 0.1))  # ended below its start
+    assert fa.collapsed(run(0.2, 0.3, 0.0))  # fresh reward 0 over the last 10% of steps
+    assert not fa.collapsed(run(0.2, 0.3, 0.1))
+    # interior: neither end of the grid (a choice at an end means the optimum was not located)
+    grid = [5e-5, 1e-4, 2e-4]
+    assert fa.choose_rate({5e-5: 0.1, 1e-4: 0.9, 2e-4: 0.2}, grid) == {
+        "lr": 1e-4, "val_by_lr": {5e-5: 0.1, 1e-4: 0.9, 2e-4: 0.2}, "interior": True}
+    assert fa.choose_rate({5e-5: 0.1, 1e-4: 0.2, 2e-4: 0.9}, grid)["interior"] is False
+    assert fa.choose_rate({5e-5: 0.9, 1e-4: 0.2, 2e-4: 0.1}, grid)["interior"] is False
+    assert fa.choose_rate({5e-5: 0.1, 1e-4: 0.9}, grid) is None  # the sweep has not finished
 
 
 def test_paired_difference_is_the_per_seed_mean_with_a_t_interval():
