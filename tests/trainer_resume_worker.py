@@ -1,5 +1,6 @@
-"""One training process for tests/test_trainer_resume.py: `run_training` on a tiny config, optionally
-with a test-side fault injected, exiting with run_training's exit code.
+"""One training process for tests/test_trainer_resume.py: `train_config` (exgrpo-train's path after validation:
+run-directory lock, run_training, start-up refusals -> 2) on a tiny config, optionally with a test-side fault
+injected, exiting with its exit code.
 
     python -m tests.trainer_resume_worker RUN_DIR [--make-init PATH] [--kill-in-save STEP] [--dump-pool-after-load]
         -- OVERRIDES
@@ -95,7 +96,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from exgrpo_megatron.config.loader import load_config
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.train import train_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
@@ -115,7 +116,7 @@ def main(argv: list[str]) -> int:
         make_init(load_config("demo_cpu", overrides), args.make_init)
         overrides.append(f"checkpoint.init_from={args.make_init}")
     cfg = load_config("demo_cpu", overrides)
-    return run_training(cfg)
+    return train_config(cfg)  # as exgrpo-train after validation: run-dir lock, start-up refusals exit 2
 
 
 if __name__ == "__main__":  # required: dist_checkpointing.save starts spawned helper processes
