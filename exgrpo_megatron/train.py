@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptedDuringStartup, PreemptionHandler
+
+if TYPE_CHECKING:
+    from exgrpo_megatron.config.schema import RootConfig
 
 EXIT_INVALID_CONFIG = 2
 
@@ -71,10 +75,11 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
     return train_config(cfg, preemption)
 
 
-def train_config(cfg, preemption: PreemptionHandler | None = None) -> int:
+def train_config(cfg: RootConfig, preemption: PreemptionHandler | None = None) -> int:
     """Train a validated config: the global rank 0 takes the run directory's lock first (before anything is
-    written), then run_training; refusals at start-up exit EXIT_INVALID_CONFIG, a failed save exits 1 with its
-    message (path and OS reason)."""
+    written), then run_training; refusals at start-up (a config the checkpoint does not fit, an init_from or
+    checkpoint that fails verification with none to fall back to) exit EXIT_INVALID_CONFIG, a failed save exits 1
+    with its message (path and OS reason)."""
     from exgrpo_megatron.config.validate import ConfigError
     from exgrpo_megatron.distributed.launch_env import launch_env
     from exgrpo_megatron.distributed.run_lock import RunDirError, acquire_run_dir
@@ -87,13 +92,13 @@ def train_config(cfg, preemption: PreemptionHandler | None = None) -> int:
     from exgrpo_megatron.distributed import cpu_shims
 
     cpu_shims.apply()  # before megatron-core is imported: its known CPU warnings are filtered (no-op on GPU)
-    from exgrpo_megatron.checkpoint import CheckpointSaveError, IncompatibleCheckpointError
+    from exgrpo_megatron.checkpoint import CheckpointFormatError, CheckpointSaveError, IncompatibleCheckpointError
     from exgrpo_megatron.data.datasets import DataFileError, EmptyDatasetError
     from exgrpo_megatron.trainer import run_training
 
     try:
         return run_training(cfg, preemption)
-    except (EmptyDatasetError, DataFileError, ConfigError, IncompatibleCheckpointError) as exc:
+    except (EmptyDatasetError, DataFileError, ConfigError, IncompatibleCheckpointError, CheckpointFormatError) as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)
         return EXIT_INVALID_CONFIG
     except CheckpointSaveError as exc:
