@@ -143,3 +143,15 @@ def test_a_json_data_file_with_a_bad_byte_is_named(tmp_path):
     path.write_bytes(b'[{"prompt": "What is 1+1? \xff", "reward_model": {"ground_truth": "2"}}]')
     with pytest.raises(DataFileError, match=f"{path}: not valid UTF-8 \\(byte 26"):
         load_prompt_dataset(str(path), tokenizer=CharTokenizer(), template="plain", max_prompt_length=40)
+
+
+def test_a_latest_pointer_replaced_by_a_directory_does_not_fail_a_published_save(tmp_path, capsys):
+    from exgrpo_megatron.checkpoint import layout as L
+
+    ckpt_dir = tmp_path / "checkpoints"
+    (ckpt_dir / "latest").mkdir(parents=True)  # old code: IsADirectoryError after the checkpoint was published
+    L.update_latest_pointer(ckpt_dir, "step_00000004")
+    assert "could not be updated" in capsys.readouterr().err
+    (ckpt_dir / "latest").rmdir()
+    L.update_latest_pointer(ckpt_dir, "step_00000004")
+    assert (ckpt_dir / "latest").read_text() == "step_00000004\n"
