@@ -131,6 +131,14 @@ def test_init_from_weights_are_verified_and_a_bad_file_is_named(tmp_path):
     assert "sha256 mismatch" in got["flip"][0] and "truncated" in got["truncate"][0]
 
 
+def test_an_init_from_without_a_manifest_is_refused_at_start_up(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model_config.yaml").write_text("num_layers: 2\n")
+    cfg = load_config("demo_cpu", [f"checkpoint.init_from={tmp_path}", f"logging.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=f"checkpoint.init_from: '{tmp_path}': has no manifest.json"):
+        validate(cfg, 1)
+
+
 def sft_cache_is_rebuilt(cache: str) -> dict:
     import torch.distributed as dist
 
