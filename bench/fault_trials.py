@@ -12,6 +12,11 @@ matches when the resumed run's per-step metrics (all but timings), final weights
 step, LR scheduler, trainer state and pool shards are bitwise the reference's.
 steps redone = steps the killed run had logged beyond the checkpoint the resume started from.
 
+Scenarios (`--scenarios`, bench/reliability_trials.py; default all): a second launch on the run dir, a disk that fills
+during a save (a real tmpfs, needs root), a corrupted token-cache entry, config changes on resume; each reports what
+it expected and observed and whether the run still ends bitwise equal to the reference ("nothing lost").
+`--trials 0 --scenarios all` runs only those; finished kill trials already in the results file are kept.
+
 Resumable (the machine is shared: run it in the background): each finished trial is appended to the
 results file, and a restart continues with the next trial (the reference is kept in the work dir).
 
@@ -33,6 +38,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -40,6 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.reliability_trials import SCENARIOS, run_scenarios  # noqa: E402
 from tests.helpers.multirank import free_port  # noqa: E402
 from tests.helpers.rank_processes import reap, start_rank_process  # noqa: E402
 from tests.test_trainer_resume import (  # noqa: E402
@@ -186,6 +193,8 @@ def main() -> None:
     parser.add_argument("--work-dir", default="/tmp/exgrpo_fault_trials")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1, help="trials run side by side (independent run dirs)")
+    parser.add_argument("--scenarios", default="all",
+                        help=f"comma-separated scenarios after the kill trials: {', '.join(SCENARIOS)}; all; '' none")
     args = parser.parse_args()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -194,31 +203,49 @@ def main() -> None:
         _write_dataset(Path(data))
     init = work / "init"
     ref = reference(work, data, init)
-    done = json.loads(RESULTS.read_text())["per_trial"] if RESULTS.exists() else []
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    done = previous.get("per_trial", [])
+    scenarios = previous.get("scenarios", [])
     todo = [i for i in range(args.trials) if i not in {t["trial"] for t in done}]
     lock = threading.Lock()
+
+    def write_results() -> None:
+        out = {"config": {"steps": N_STEPS, "save_every": 2, "keep_last": 3, "world_size": 1, "seed": args.seed,
+                          "kill": "SIGKILL: 1/4 uniform over the reference's start-up (launch to first "
+                                  "logged step), 3/4 uniform over its training window (first logged step "
+                                  "to exit), timed from the first logged step"},
+               "summary": summary(done, ref) | scenario_summary(scenarios), "per_trial": done, "scenarios": scenarios}
+        RESULTS.write_text(json.dumps(out, indent=1) + "\n")
 
     def run_one(index: int) -> None:
         result = trial(index, work, data, ref, args.seed)
         with lock:
             done.append(result)
             done.sort(key=lambda t: t["trial"])
-            out = {"config": {"steps": N_STEPS, "save_every": 2, "keep_last": 3, "world_size": 1, "seed": args.seed,
-                              "kill": "SIGKILL: 1/4 uniform over the reference's start-up (launch to first "
-                                      "logged step), 3/4 uniform over its training window (first logged step "
-                                      "to exit), timed from the first logged step"},
-                   "summary": summary(done, ref), "per_trial": done}
-            RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+            write_results()
             print(f"trial {index}: kill at {result['kill_at_s']}s, logged {result['steps_logged_before_kill']}, "
                   f"resumed from {result['resumed_from_step']}, redone {result['steps_redone']}, "
                   f"{result['detail']}", flush=True)
 
     with ThreadPoolExecutor(max_workers=args.workers) as pool:
         list(pool.map(run_one, todo))
-    final = json.loads(RESULTS.read_text())["summary"]
+    names = list(SCENARIOS) if args.scenarios == "all" else [n for n in args.scenarios.split(",") if n]
+    helpers = SimpleNamespace(launch=launch, reap=reap, metrics=metrics, same_final_state=same_final_state)
+    for result in run_scenarios(names, helpers, work, data):
+        scenarios[:] = [s for s in scenarios if s["scenario"] != result["scenario"]] + [result]
+        write_results()
+    final = json.loads(RESULTS.read_text())["summary"] if RESULTS.exists() else summary(done, ref)
     print(f"{'trials':>8} {'bitwise':>8} {'redone':>7} {'max':>4}  (steps redone: total, max per trial)")
     print(f"{final['trials']:>8} {final['bitwise_matches']:>8} {final['steps_redone_total']:>7} "
           f"{final['steps_redone_max']:>4}")
+    print(f"{'scenario':<16} {'as expected':>11} {'nothing lost':>12}  observed")
+    for sc in scenarios:
+        print(f"{sc['scenario']:<16} {sc['as_expected']!s:>11} {sc['nothing_lost']!s:>12}  {sc['observed'][:150]}")
+
+
+def scenario_summary(scenarios: list[dict]) -> dict:
+    return {"scenarios": len(scenarios), "scenarios_as_expected": sum(s["as_expected"] for s in scenarios),
+            "scenarios_nothing_lost": sum(s["nothing_lost"] for s in scenarios)}
 
 
 if __name__ == "__main__":

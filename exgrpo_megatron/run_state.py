@@ -22,6 +22,7 @@ from exgrpo_megatron.checkpoint import (
 )
 from exgrpo_megatron.components import Components
 from exgrpo_megatron.config.loader import to_yaml
+from exgrpo_megatron.config.resume_changes import check_resume_config
 from exgrpo_megatron.evaluation_loop import validate_accuracy
 from exgrpo_megatron.experience.schedule import legacy_state
 from exgrpo_megatron.logging import MetricsLogger, ProgressBar, save_resolved_config
@@ -47,6 +48,10 @@ class RunState:
         state = cls(c)
         resume = c.policy.resume(cfg.logging.run_dir, cfg.checkpoint.resume)
         if resume is not None:
+            changes = check_resume_config(resume.config_yaml, cfg, str(resume.path))  # ConfigError: refused keys
+            if c.layout.rank == 0:
+                for line in changes:
+                    print(f"exgrpo-train: resume: {line}", file=sys.stderr)
             state.load(resume)
         elif cfg.checkpoint.init_from or cfg.trainer.sft_warm_start_steps > 0:
             c.policy.load_weights(cfg.checkpoint.init_from or warm_start_weights(cfg, c.tokenizer))

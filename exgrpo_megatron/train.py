@@ -7,15 +7,20 @@ Every rank runs this same entry point (torchrun or srun). The preemption handler
 (before any slow import): SIGTERM / SIGUSR1 at any moment of start-up exits REQUEUE_EXIT_CODE (75). The
 config is composed and validated (values and the paths the run reads) before any process group exists;
 an invalid config exits with status 2 and `key: value: reason` lines, as does a data set left without
-usable rows.
+usable rows, a run directory that is unusable or held by another trainer (distributed/run_lock.py), and a
+resume whose checkpoint does not fit the config (config/resume_changes.py, checkpoint/compat.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptedDuringStartup, PreemptionHandler
+
+if TYPE_CHECKING:
+    from exgrpo_megatron.config.schema import RootConfig
 
 EXIT_INVALID_CONFIG = 2
 
@@ -48,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.config.validate import ConfigError, validate, vllm_startup_errors
-    from exgrpo_megatron.data.datasets import EmptyDatasetError
     from exgrpo_megatron.distributed.launch_env import launch_env
 
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
@@ -68,16 +72,41 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
     if startup_errors:
         print(f"exgrpo-train: {ConfigError(startup_errors)}", file=sys.stderr)
         return EXIT_INVALID_CONFIG
+    return train_config(cfg, preemption)
+
+
+def train_config(cfg: RootConfig, preemption: PreemptionHandler | None = None) -> int:
+    """Train a validated config: the global rank 0 takes the run directory's lock first (before anything is
+    written), then run_training; refusals at start-up (a config the checkpoint does not fit, an init_from or
+    checkpoint that fails verification with none to fall back to) exit EXIT_INVALID_CONFIG, a failed save exits 1
+    with its message (path and OS reason)."""
+    from exgrpo_megatron.config.validate import ConfigError
+    from exgrpo_megatron.distributed.launch_env import launch_env
+    from exgrpo_megatron.distributed.run_lock import RunDirError, acquire_run_dir
+
+    try:
+        lock = acquire_run_dir(cfg.logging.run_dir) if launch_env().rank == 0 else None
+    except RunDirError as exc:
+        print(f"exgrpo-train: {exc}", file=sys.stderr)
+        return EXIT_INVALID_CONFIG
     from exgrpo_megatron.distributed import cpu_shims
 
     cpu_shims.apply()  # before megatron-core is imported: its known CPU warnings are filtered (no-op on GPU)
+    from exgrpo_megatron.checkpoint import CheckpointFormatError, CheckpointSaveError, IncompatibleCheckpointError
+    from exgrpo_megatron.data.datasets import DataFileError, EmptyDatasetError
     from exgrpo_megatron.trainer import run_training
 
     try:
         return run_training(cfg, preemption)
-    except EmptyDatasetError as exc:
+    except (EmptyDatasetError, DataFileError, ConfigError, IncompatibleCheckpointError, CheckpointFormatError) as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)
         return EXIT_INVALID_CONFIG
+    except CheckpointSaveError as exc:
+        print(f"exgrpo-train: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -278,9 +278,9 @@ def test_errors_retention_and_latest_pointer(tmp_path):
     for field in ("num_layers", "hidden_size", "tie_word_embeddings", "kv_channels"):
         assert field in out["incompatible"]
     assert "vocab_size" not in out["incompatible"] and "ffn_hidden_size" not in out["incompatible"]
-    assert "GiB free" in out["disk"] and out["disk_dir_unchanged"]
+    assert "1.0 KiB (1024 bytes) free" in out["disk"] and out["disk_dir_unchanged"]
     weights_only = out["weights_only"]
-    assert weights_only["files"] == ["model", "model_config.yaml"]
+    assert weights_only["files"] == ["manifest.json", "model", "model_config.yaml"]
     assert weights_only["converted"] is True and weights_only["step_00000003"] is True
     assert "ffn_hidden_size" in weights_only["incompatible"]
     real = out["real_pool"]

@@ -19,8 +19,8 @@ LAYERS: tuple[str, ...] = (
     "algo",  # the algorithm object (reads the phase), advantages and the loss: pure tensor functions
     "data",  # datasets, prompt templates, tokenizers, the sampler, the step plan
     "model",  # the GPTModel builder
-    "convert",  # HF <-> megatron mapping
     "checkpoint",
+    "convert",  # HF <-> megatron mapping; seals its output with checkpoint/integrity's manifest
     "logging",
     "rollout",  # engines, their factory, group generation
     "reward",  # grading, rollout rewards

@@ -291,6 +291,33 @@ def test_reshard_tp2_pp2_dp2_keeps_every_pool_entry(reference, tmp_path):
     assert find_latest(run_dir) == _ckpt(run_dir, 5)
 
 
+def test_start_up_refusals_exit_2_naming_the_key_or_file_and_write_nothing(reference, tmp_path):
+    """A resume that changes the model's shape or algo.name, and an init_from with a flipped byte: exit 2 at
+    start-up naming the key / the file (old code: shape -> traceback with rc 1; algo.name -> the pool dropped
+    in silence; init_from -> training from the damaged weights)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference["run_dir"], run_dir)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    for change, named in (("model.num_layers=3", "num_layers: checkpoint=2 current=3"),
+                          ("algo.name=grpo", "algo.name: checkpoint 'exgrpo' -> config 'grpo'")):
+        log = _train(run_dir, [*_overrides(reference["data"], N_STEPS), change,
+                               f"checkpoint.init_from={reference['init']}"], expect=2, tag=change.split("=")[0])
+        assert named in log
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    init = tmp_path / "init"
+    shutil.copytree(reference["init"], init)
+    victim = max((init / "model").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    log = _train(tmp_path / "fresh", [*_overrides(reference["data"], N_STEPS), f"checkpoint.init_from={init}"],
+                 expect=2, tag="init_from")
+    assert f"{victim}: sha256 mismatch" in log
+    assert not (tmp_path / "fresh" / "checkpoints").exists() and not (tmp_path / "fresh" / "metrics.jsonl").exists()
+
+
 def test_consecutive_skipped_updates_stop_the_run_with_code_3(reference, tmp_path):
     run_dir = tmp_path / "skips"
     extra = (f"checkpoint.init_from={reference['init']}", "algo.skip_grad_bound=1e-12", "algo.max_consecutive_skips=3")

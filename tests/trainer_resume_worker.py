@@ -1,5 +1,6 @@
-"""One training process for tests/test_trainer_resume.py: `run_training` on a tiny config, optionally
-with a test-side fault injected, exiting with run_training's exit code.
+"""One training process for tests/test_trainer_resume.py: `train_config` (exgrpo-train's path after validation:
+run-directory lock, run_training, start-up refusals -> 2) on a tiny config, optionally with a test-side fault
+injected, exiting with its exit code.
 
     python -m tests.trainer_resume_worker RUN_DIR [--make-init PATH] [--kill-in-save STEP] [--dump-pool-after-load]
         -- OVERRIDES
@@ -8,6 +9,8 @@ Environment: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (one process per rank
 
 --kill-in-save STEP         SIGKILL this process halfway through writing the pool shard of checkpoint STEP
                             (nothing in the product knows: the test replaces the checkpoint module's writer)
+--fill-disk-in-save STEP    fill the run dir's filesystem (RUN_DIR/filler.bin, up to ENOSPC) just before the pool
+                            shard of checkpoint STEP is written: another writer filling the disk mid-save
 --make-init PATH            first write a weights-only checkpoint to PATH (TP=1/PP=1 only) that samples
                             "7" or <eos> most of the time (see digit_policy), and train from it
 --dump-pool-after-load      right after RunState.load, write this rank's pool state to
@@ -43,6 +46,28 @@ def install_kill_in_save(step: int) -> None:
         raise AssertionError("unreachable")
 
     pool_io.write_bytes_durable = write_then_die
+
+
+def install_fill_disk_in_save(step: int, run_dir: str) -> None:
+    """Make the save of checkpoint `step` meet a full disk: fill the filesystem, then write the pool shard."""
+    from exgrpo_megatron.checkpoint import layout, pool_io
+
+    tmp_name = layout.TMP_PREFIX + layout.step_dir_name(step)
+    real_write = pool_io.write_bytes_durable
+
+    def fill_then_write(path: Path, data: bytes) -> str:
+        if path.parent.parent.name == tmp_name:
+            fd = os.open(Path(run_dir) / "filler.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                while os.write(fd, b"\1" * (1 << 16)):
+                    pass
+            except OSError:
+                pass  # the filesystem is full
+            finally:
+                os.close(fd)
+        return real_write(path, data)
+
+    pool_io.write_bytes_durable = fill_then_write
 
 
 def digit_policy(gpt, seven_id: int, eos_id: int) -> None:
@@ -95,19 +120,22 @@ def main(argv: list[str]) -> int:
     import torch
 
     from exgrpo_megatron.config.loader import load_config
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.train import train_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("--kill-in-save", default=None)
     parser.add_argument("--dump-pool-after-load", action="store_true")
     parser.add_argument("--make-init", default=None)
+    parser.add_argument("--fill-disk-in-save", default=None)
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     args.overrides = argv[split + 1:]
     torch.set_num_threads(1)
     if args.kill_in_save:
         install_kill_in_save(int(args.kill_in_save))
+    if args.fill_disk_in_save:
+        install_fill_disk_in_save(int(args.fill_disk_in_save), args.run_dir)
     if args.dump_pool_after_load:
         install_pool_dump(args.run_dir)
     overrides = [f"logging.run_dir={args.run_dir}", *args.overrides]
@@ -115,7 +143,7 @@ def main(argv: list[str]) -> int:
         make_init(load_config("demo_cpu", overrides), args.make_init)
         overrides.append(f"checkpoint.init_from={args.make_init}")
     cfg = load_config("demo_cpu", overrides)
-    return run_training(cfg)
+    return train_config(cfg)  # as exgrpo-train after validation: run-dir lock, start-up refusals exit 2
 
 
 if __name__ == "__main__":  # required: dist_checkpointing.save starts spawned helper processes

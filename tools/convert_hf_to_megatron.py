@@ -2,8 +2,9 @@
 
     python tools/convert_hf_to_megatron.py HF_DIR OUT_DIR [--tp N] [--pp N] [--dtype auto|fp32|bf16]
 
-OUT_DIR receives `model/` and `model_config.yaml`; pass it as `checkpoint.init_from=OUT_DIR`. The
-checkpoint is stored in the TP=1 layout; megatron reshards it to any TP/PP when loading.
+OUT_DIR receives `model/`, `model_config.yaml` and `manifest.json` (sizes + sha256s, verified on load); pass it
+as `checkpoint.init_from=OUT_DIR`. The checkpoint is stored in the TP=1 layout; megatron reshards it to any
+TP/PP when loading.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = convert_hf_to_megatron(args.hf_dir, args.out_dir, args.tp, args.pp, args.dtype,
                                  progress=not args.no_progress)
-    print(f"wrote {args.out_dir}/model and model_config.yaml ({cfg.family}, {cfg.num_layers} layers)")
+    print(f"wrote {args.out_dir}/model, model_config.yaml and manifest.json ({cfg.family}, {cfg.num_layers} layers)")
 
 
 if __name__ == "__main__":

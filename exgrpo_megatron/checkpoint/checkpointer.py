@@ -35,13 +35,13 @@ from typing import Any
 
 import torch.distributed as dist
 import yaml
+from torch.distributed.checkpoint.api import CheckpointException
 
 import exgrpo_megatron.checkpoint.layout as L
 from exgrpo_megatron.checkpoint.compat import check_model_compatible
+from exgrpo_megatron.checkpoint.disk import disk_space_error, expected_checkpoint_bytes, write_error_message
 from exgrpo_megatron.checkpoint.files import (
     FORMAT_VERSION,
-    CheckpointFormatError,
-    directory_size_bytes,
     fsync_tree,
     read_verified,
     write_json_durable,
@@ -77,12 +77,23 @@ from exgrpo_megatron.checkpoint.pool_io import (
     write_pool_shard,
 )
 from exgrpo_megatron.checkpoint.rng_io import RNG_SUBDIR, restore_rng_state, write_rng_state
-from exgrpo_megatron.checkpoint.scheduler_state import restore_scheduler
+from exgrpo_megatron.checkpoint.scheduler_state import (
+    config_group_values,
+    reapply_config_group_values,
+    restore_scheduler,
+)
+from exgrpo_megatron.checkpoint.weights import (  # noqa: F401 - load/save_model_weights re-exported
+    MODEL_CONFIG_FILE,
+    MODEL_SUBDIR,
+    load_model_weights,
+    save_model_weights,
+)
 from exgrpo_megatron.config.schema import ModelConfig
 
-MODEL_SUBDIR = "model"
 STATE_SUBDIR = "state"
-MODEL_CONFIG_FILE = "model_config.yaml"
+# what a failed write raises: torch.distributed.checkpoint's CheckpointException (megatron's writer) is a
+# BaseException, not an Exception
+WRITE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 RUN_CONFIG_FILE = "config.yaml"
 TRAINER_STATE_FILE = f"{STATE_SUBDIR}/trainer_state.json"
 SCHEDULER_FILE = f"{STATE_SUBDIR}/opt_param_scheduler.json"
@@ -149,34 +160,6 @@ def _broadcast_from_rank0(obj: Any) -> Any:
     return box[0]
 
 
-# ----------------------------------------------------------------------------- disk space
-
-
-def _existing_ancestor(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def expected_checkpoint_bytes(ckpt_dir: Path, fresh_estimate: int) -> int:
-    """max(size of the newest complete checkpoint, param+optimizer+pool estimate of this save)."""
-    existing = L.complete_checkpoints(ckpt_dir)
-    return max(directory_size_bytes(existing[-1]) if existing else 0, fresh_estimate)
-
-
-def _disk_space_error(ckpt_dir: Path, needed: int) -> str | None:
-    where = _existing_ancestor(ckpt_dir)
-    free = shutil.disk_usage(where).free
-    if free >= needed:
-        return None
-    return (
-        f"refusing to save a checkpoint into {ckpt_dir}: {free / 2**30:.2f} GiB free on the filesystem of {where}, "
-        f"but the checkpoint needs about {needed / 2**30:.2f} GiB (size of the last checkpoint, or the "
-        "parameter+optimizer+pool estimate). Free space or lower checkpoint.keep_last."
-    )
-
-
 # ----------------------------------------------------------------------------- save
 
 
@@ -206,11 +189,11 @@ def _preflight(
             if opt_param_scheduler is not None:
                 json.dumps(opt_param_scheduler.state_dict())
             yaml.safe_load(model_config_yaml)
+            L.remove_stale_tmp_dirs(ckpt_dir)  # first: a failed save's leftover must not block the next one
             needed = expected_checkpoint_bytes(ckpt_dir, sum(e["param_bytes"] + e["pool_bytes"] for e in everyone))
-            error = _disk_space_error(ckpt_dir, needed)
+            error = disk_space_error(ckpt_dir, needed)
             disk_error = error is not None
             if error is None:
-                L.remove_stale_tmp_dirs(ckpt_dir)
                 tmp = ckpt_dir / (L.TMP_PREFIX + L.step_dir_name(step))
                 for sub in (MODEL_SUBDIR, POOL_SUBDIR, f"{STATE_SUBDIR}/{RNG_SUBDIR}"):
                     (tmp / sub).mkdir(parents=True, exist_ok=True)
@@ -252,44 +235,92 @@ def save_checkpoint(
                model_config_yaml, ps.get_data_parallel_rank())
     dist.barrier()
 
-    save_model_and_optimizer(tmp_dir / MODEL_SUBDIR, model_chunks, optimizer)
-    pool_entry = None
-    if local_pool is not None:
-        pool_entry = write_pool_shard(tmp_dir / POOL_SUBDIR, local_pool, *pool_shard_index)
-    rng_entry = write_rng_state(tmp_dir / STATE_SUBDIR / RNG_SUBDIR, rank)
+    pool_entry = rng_entry = write_error = None
+    try:
+        save_model_and_optimizer(tmp_dir / MODEL_SUBDIR, model_chunks, optimizer)
+        if local_pool is not None:
+            pool_entry = write_pool_shard(tmp_dir / POOL_SUBDIR, local_pool, *pool_shard_index)
+        rng_entry = write_rng_state(tmp_dir / STATE_SUBDIR / RNG_SUBDIR, rank)
+    except WRITE_ERRORS as err:  # every rank must learn it (a full disk, a dead filesystem)
+        write_error = write_error_message(err, tmp_dir)
+    _raise_if_any_failed(_all_gather(write_error), tmp_dir)
     pool_entries = [e for e in _all_gather(pool_entry) if e is not None]
     rng_entries = _all_gather(rng_entry)
 
-    if rank == 0:
-        files = {
-            MODEL_CONFIG_FILE: write_text_durable(tmp_dir / MODEL_CONFIG_FILE, model_config_yaml),
-            RUN_CONFIG_FILE: write_text_durable(tmp_dir / RUN_CONFIG_FILE, config_yaml),
-            TRAINER_STATE_FILE: write_json_durable(tmp_dir / TRAINER_STATE_FILE, trainer_state),
-            POOL_MANIFEST_FILE: write_pool_manifest(
-                tmp_dir / POOL_SUBDIR, check_shard_entries(pool_entries, pool_shard_index[1]), pool_shard_index[1]
-            ),
-        }
-        if opt_param_scheduler is not None:
-            files[SCHEDULER_FILE] = write_json_durable(tmp_dir / SCHEDULER_FILE, opt_param_scheduler.state_dict())
-        root = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "layout": process_layout(),
-            "model_keys": model_keys(len(model_chunks)),
-            "padded_vocab_size": padded_vocab(model_chunks),
-            "files": files,
-            "rng": {str(r): e for r, e in enumerate(rng_entries)},
-        }
-    dist.barrier()  # every rank's files are written and fsync'd by their writers
+    return _finish_save(tmp_dir, final_dir, step, model_chunks, opt_param_scheduler, pool_entries, rng_entries,
+                        pool_shard_index, trainer_state, config_yaml, model_config_yaml, keep_last)
+
+
+def _raise_if_any_failed(errors: list[str | None], tmp_dir: Path) -> None:
+    """Collective verdict on a write phase: rank 0 removes the partial save, every rank raises the first error."""
+    first = next((e for e in errors if e is not None), None)
+    if first is None:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    dist.barrier()
+    raise CheckpointSaveError(first)
+
+
+def _write_small_files(tmp_dir: Path, step: int, model_chunks: list, opt_param_scheduler, pool_entries: list,
+                       rng_entries: list, pool_shard_index: tuple[int, int], trainer_state: dict, config_yaml: str,
+                       model_config_yaml: str) -> dict:
+    """Rank 0: configs, trainer/scheduler state, pool manifest; returns the root manifest without digests."""
+    files = {
+        MODEL_CONFIG_FILE: write_text_durable(tmp_dir / MODEL_CONFIG_FILE, model_config_yaml),
+        RUN_CONFIG_FILE: write_text_durable(tmp_dir / RUN_CONFIG_FILE, config_yaml),
+        TRAINER_STATE_FILE: write_json_durable(tmp_dir / TRAINER_STATE_FILE, trainer_state),
+        POOL_MANIFEST_FILE: write_pool_manifest(
+            tmp_dir / POOL_SUBDIR, check_shard_entries(pool_entries, pool_shard_index[1]), pool_shard_index[1]
+        ),
+    }
+    if opt_param_scheduler is not None:
+        files[SCHEDULER_FILE] = write_json_durable(tmp_dir / SCHEDULER_FILE, opt_param_scheduler.state_dict())
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "layout": process_layout(),
+        "model_keys": model_keys(len(model_chunks)),
+        "padded_vocab_size": padded_vocab(model_chunks),
+        "files": files,
+        "rng": {str(r): e for r, e in enumerate(rng_entries)},
+    }
+
+
+def _rank0_step(tmp_dir: Path, fn, *args: Any) -> Any:
+    """Run `fn` on rank 0; a failure there (a full disk) is raised on every rank, the partial save removed."""
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn(*args)
+        except WRITE_ERRORS as err:  # must reach the other ranks, or they wait forever
+            error = write_error_message(err, tmp_dir)
+    _raise_if_any_failed(_all_gather(error), tmp_dir)
+    return result
+
+
+def _seal_and_publish(tmp_dir: Path, final_dir: Path, root: dict, digests: list[dict]) -> None:
+    root[DIGESTS_KEY] = {name: entry for share in digests for name, entry in share.items()}
+    root[SEAL_KEY] = manifest_seal(root)
+    write_json_durable(tmp_dir / L.ROOT_MANIFEST, root)
+    fsync_tree(tmp_dir)  # megatron's common.pt / metadata files are not fsync'd by megatron
+    L.publish(tmp_dir, final_dir)
+
+
+def _finish_save(tmp_dir: Path, final_dir: Path, step: int, model_chunks: list, opt_param_scheduler,
+                 pool_entries: list, rng_entries: list, pool_shard_index: tuple[int, int], trainer_state: dict,
+                 config_yaml: str, model_config_yaml: str, keep_last: int) -> Path:
+    """Collective second half of save_checkpoint: rank 0's small files, the digests, the manifest, the rename."""
+    rank = dist.get_rank()
+    ckpt_dir = final_dir.parent
+    # every rank's files are written and fsync'd by their writers once this collective returns
+    root = _rank0_step(tmp_dir, _write_small_files, tmp_dir, step, model_chunks, opt_param_scheduler, pool_entries,
+                       rng_entries, pool_shard_index, trainer_state, config_yaml, model_config_yaml)
     names = _broadcast_from_rank0(list_files(tmp_dir) if rank == 0 else None)
     digests = _all_gather(digest_files(tmp_dir, my_share(names, rank, dist.get_world_size())))
+    _rank0_step(tmp_dir, _seal_and_publish, tmp_dir, final_dir, root, digests)
     if rank == 0:
-        root[DIGESTS_KEY] = {name: entry for share in digests for name, entry in share.items()}
-        root[SEAL_KEY] = manifest_seal(root)
-        write_json_durable(tmp_dir / L.ROOT_MANIFEST, root)
-        fsync_tree(tmp_dir)  # megatron's common.pt / metadata files are not fsync'd by megatron
-        L.publish(tmp_dir, final_dir)
-        L.write_latest_pointer(ckpt_dir, final_dir.name)
+        L.update_latest_pointer(ckpt_dir, final_dir.name)
         _VERIFIED.add(final_dir.resolve())
         L.apply_retention(ckpt_dir, keep_last, final_dir, verified=_VERIFIED)
     dist.barrier()
@@ -331,13 +362,12 @@ def load_checkpoint(
     if opt_param_scheduler is not None and SCHEDULER_FILE in files:
         scheduler_state = json.loads(read_verified(path / SCHEDULER_FILE, files[SCHEDULER_FILE]))
 
+    config_groups = config_group_values(optimizer) if optimizer is not None else None
     load_model_and_optimizer(path / MODEL_SUBDIR, model_chunks, optimizer)
+    if config_groups is not None:
+        reapply_config_group_values(optimizer, config_groups)  # the config's LR / Adam settings, not the saved
     if scheduler_state is not None:
-        changed = restore_scheduler(opt_param_scheduler, scheduler_state)
-        if changed:
-            warnings.warn(f"checkpoint {path}: the LR schedule of this run's config differs from the checkpoint's "
-                          f"({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}); continuing at update "
-                          f"{opt_param_scheduler.num_steps} with the config's schedule", stacklevel=2)
+        restore_scheduler(opt_param_scheduler, scheduler_state)  # the changes are reported by config_change.py
 
     rng_restored = False
     if load_rng:
@@ -361,34 +391,3 @@ def load_checkpoint(
         model_config_yaml=model_config_yaml,
         rng_restored=rng_restored,
     )
-
-
-def load_model_weights(path: str | Path, model_chunks: list, *, model_config: ModelConfig | None = None) -> None:
-    """Weights only (`checkpoint.init_from`, e.g. a converted HF checkpoint with just the "model" key).
-    Collective. Call it before building the optimizer, or call `optimizer.reload_model_params()` after,
-    so 16-bit models' fp32 master weights pick the new values up."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"weights-only checkpoint {path} does not exist (or is not a directory)")
-    if model_config is not None:
-        config_path = path / MODEL_CONFIG_FILE
-        if not config_path.is_file():
-            raise CheckpointFormatError(f"{path} has no {MODEL_CONFIG_FILE}; cannot check its architecture")
-        check_model_compatible(config_path.read_text(encoding="utf-8"), model_config, str(path))
-    load_model_and_optimizer(path / MODEL_SUBDIR, model_chunks, optimizer=None)
-
-
-def save_model_weights(path: str | Path, model_chunks: list, *, model_config_yaml: str) -> Path:
-    """Collective: a weights-only checkpoint (`model/` with the "model" key + `model_config.yaml`), the
-    layout of a converted HF checkpoint; readable by load_model_weights at any TP/PP. Not atomic: meant
-    for conversion tools writing a fresh directory."""
-    path = Path(path)
-    if dist.get_rank() == 0:
-        (path / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
-        write_text_durable(path / MODEL_CONFIG_FILE, model_config_yaml)
-    dist.barrier()
-    save_model_and_optimizer(path / MODEL_SUBDIR, model_chunks, optimizer=None)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        fsync_tree(path)
-    return path

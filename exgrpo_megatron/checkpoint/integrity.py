@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import exgrpo_megatron.checkpoint.layout as L
 from exgrpo_megatron.checkpoint.files import CheckpointFormatError, check_format_version
+from exgrpo_megatron.config.paths import WEIGHTS_MANIFEST
 
 DIGESTS_KEY = "file_digests"
 SEAL_KEY = "manifest_sha256"  # sha256 of checkpoint.json's own content (without this key), canonical JSON
@@ -139,3 +140,52 @@ def verify_checkpoint(path: str | Path) -> dict:
         raise CheckpointVerificationError(path, *first)
     _VERIFIED.add(path.resolve())
     return root
+
+
+# ----------------------------------------------------------------------------- weights-only directories
+
+
+
+def write_weights_manifest(path: str | Path) -> Path:
+    """Seal a finished weights-only directory (`model/` + `model_config.yaml`, a converter's output or the
+    SFT cache): `manifest.json` with the size + sha256 of every other file, written last and fsync'd."""
+    from exgrpo_megatron.checkpoint.files import FORMAT_VERSION, write_json_durable
+
+    path = Path(path)
+    names = list_files(path, exclude=(WEIGHTS_MANIFEST,))
+    root: dict[str, Any] = {"format_version": FORMAT_VERSION, DIGESTS_KEY: digest_files(path, names)}
+    root[SEAL_KEY] = manifest_seal(root)
+    target = path / WEIGHTS_MANIFEST
+    write_json_durable(target, root)
+    return target
+
+
+def weights_problem(path: Path, rank: int = 0, world_size: int = 1) -> tuple[str, str] | None:
+    """(file, reason) of the first problem of a weights-only dir against its manifest, or None; this rank
+    hashes its share of the files (my_share)."""
+    manifest = path / WEIGHTS_MANIFEST
+    if not manifest.is_file():
+        return WEIGHTS_MANIFEST, "missing: the directory is not sealed (converters and the SFT warm start write it)"
+    try:
+        root = json.loads(manifest.read_text(encoding="utf-8"))
+        check_format_version(root.get("format_version"), manifest)
+        digests = root.get(DIGESTS_KEY)
+        if root.get(SEAL_KEY) != manifest_seal(root) or not isinstance(digests, dict) or not digests:
+            return WEIGHTS_MANIFEST, "its own sha256 does not match its content (corrupted manifest)"
+        return first_problem(path, digests, my_share(sorted(digests), rank, world_size))
+    except (ValueError, UnicodeDecodeError, CheckpointFormatError, OSError, KeyError, TypeError) as err:
+        return WEIGHTS_MANIFEST, f"{type(err).__name__}: {err}"
+
+
+def verify_weights_dir(path: str | Path) -> None:
+    """Collective when a process group is up: every rank checks the dir and all agree; raises
+    CheckpointVerificationError (first bad file + reason) on every rank."""
+    path = Path(path)
+    collective = dist.is_available() and dist.is_initialized()
+    problem = weights_problem(path, *((dist.get_rank(), dist.get_world_size()) if collective else (0, 1)))
+    if collective:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problem)
+        problem = next((p for p in gathered if p is not None), None)
+    if problem is not None:
+        raise CheckpointVerificationError(path, *problem)

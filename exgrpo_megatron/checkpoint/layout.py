@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from exgrpo_megatron.checkpoint.files import fsync_path, replace_atomic
+from exgrpo_megatron.config.paths import TRAINER_MANIFEST
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 LATEST_FILE = "latest"
-ROOT_MANIFEST = "checkpoint.json"  # written last inside a checkpoint: marks a trainer checkpoint
+ROOT_MANIFEST = TRAINER_MANIFEST  # written last inside a checkpoint: marks a trainer checkpoint
 TMP_PREFIX = ".tmp_"
 REJECTED_SUBDIR = "rejected"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -122,6 +124,17 @@ def move_aside(path: Path, reason: str) -> Path:
 
 def write_latest_pointer(ckpt_dir: Path, name: str) -> None:
     replace_atomic(ckpt_dir / LATEST_FILE, name + "\n")
+
+
+def update_latest_pointer(ckpt_dir: Path, name: str) -> None:
+    """write_latest_pointer after a publish: `latest` is a hint (resume never trusts it) and the checkpoint is
+    already saved, so a pointer that cannot be written (e.g. replaced by a directory) is a warning only."""
+    try:
+        write_latest_pointer(ckpt_dir, name)
+    except OSError as err:
+        print(f"exgrpo-train: warning: checkpoint {ckpt_dir / name} is saved, but the pointer "
+              f"{ckpt_dir / LATEST_FILE} could not be updated ({type(err).__name__}: {err})",
+              file=sys.stderr, flush=True)
 
 
 def remove_stale_tmp_dirs(ckpt_dir: Path) -> list[Path]:

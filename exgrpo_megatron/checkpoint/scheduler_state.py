@@ -37,3 +37,21 @@ def restore_scheduler(scheduler, saved: dict[str, Any]) -> dict[str, tuple[Any, 
     scheduler.num_steps = 0
     scheduler.step(increment=int(steps))
     return differences
+
+
+# The optimizer hyperparameters megatron keeps per param group and the config sets: loading the optimizer's
+# state restores the checkpoint's values, and megatron's scheduler prefers a group's max_lr / min_lr over its
+# own. Taken from the config-built optimizer before the load and put back after it, so a changed optim.lr,
+# optim.min_lr, optim.adam_beta1/2 or optim.adam_eps applies (unchanged config: the same values, no-op).
+CONFIG_GROUP_KEYS = ("max_lr", "min_lr", "betas", "eps")
+
+
+def config_group_values(optimizer) -> list[dict[str, Any]]:
+    """The CONFIG_GROUP_KEYS of each param group of a freshly built (config) optimizer."""
+    return [{k: group[k] for k in CONFIG_GROUP_KEYS if k in group} for group in optimizer.param_groups]
+
+
+def reapply_config_group_values(optimizer, values: list[dict[str, Any]]) -> None:
+    """Put config_group_values back into the param groups after optimizer.load_state_dict."""
+    for group, saved in zip(optimizer.param_groups, values, strict=True):
+        group.update(saved)

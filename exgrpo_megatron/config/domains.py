@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 
-from exgrpo_megatron.config.schema import CHOICES, RootConfig
+from exgrpo_megatron.config.paths import is_sealed, run_dir_problem
+from exgrpo_megatron.config.schema import CHOICES, RESUME_REFUSED, RootConfig
 
 INF = math.inf
 
@@ -139,6 +140,10 @@ def domain_errors(cfg: RootConfig) -> list[str]:
         value = value_of(cfg, key)
         if value not in allowed:
             errors.append(f"{key}: {value!r} is not one of {list(allowed)}")
+    for key in cfg.checkpoint.allow_config_change:
+        if key not in RESUME_REFUSED:
+            errors.append(f"checkpoint.allow_config_change: {key!r} is not a key a resume refuses to change "
+                          f"(those are {sorted(RESUME_REFUSED)}; the others change freely)")
     bad = {e.split(":", 1)[0] for e in errors}
     for small, large in ORDERINGS:
         a, b = value_of(cfg, small), value_of(cfg, large)
@@ -186,11 +191,15 @@ def path_errors(cfg: RootConfig) -> list[str]:
         if reason is not None:
             errors.append(f"{key}: {value!r}: {reason}")
     if ck.init_from and not errors_for(errors, "checkpoint.init_from"):
+        if not is_sealed(ck.init_from):
+            errors.append(f"checkpoint.init_from: {ck.init_from!r}: has no manifest.json (size + sha256 of its "
+                          "files), so it cannot be verified; re-export it with tools/convert_hf_to_megatron.py")
         for needed in ("model", "model_config.yaml"):
             if not (Path(ck.init_from).expanduser() / needed).exists():
                 errors.append(f"checkpoint.init_from: {ck.init_from!r}: has no {needed} (not a megatron "
                               "checkpoint from tools/convert_hf_to_megatron.py)")
-    return errors
+    run_dir = run_dir_problem(cfg.logging.run_dir)
+    return errors + ([run_dir] if run_dir is not None else [])
 
 
 def errors_for(errors: list[str], key: str) -> list[str]:

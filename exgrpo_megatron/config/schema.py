@@ -163,6 +163,7 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto | none | <path>
     init_from: Optional[str] = None  # megatron checkpoint (from tools/convert_hf_to_megatron.py)
+    allow_config_change: list[str] = field(default_factory=list)  # keys a resume may change although refused
 
 
 @dataclass
@@ -211,4 +212,23 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("files", "arithmetic"),
     "data.template": ("own", "chat", "llama_base", "plain", "chat_direct"),
     "data.tokenizer": ("hf", "char"),
+}
+
+_DATA = "the training prompts: the sampler's position and the pool's question ids refer to the saved data set"
+_UPDATES = ("optimizer updates per step: the LR schedule's progress (counted in updates) would no longer match "
+            "the step count")
+# The keys a resume refuses to change (config/resume_changes.py) -> what they would change; allowed only when
+# listed in checkpoint.allow_config_change.
+RESUME_REFUSED: dict[str, str] = {
+    "algo.name": "switches the experience pool on or off: the saved pool would be dropped, or an empty one started",
+    "rollout.n": "the group size K: the pool's k-of-K records and buckets were counted for the saved K",
+    "trainer.experience_lbound": "which questions the pool keeps (the saved pool was filtered with the old bound)",
+    "trainer.experience_rbound": "which questions the pool keeps (the saved pool was filtered with the old bound)",
+    "trainer.exp_max_trajectories_per_question": "the cap the saved pool was filled under",
+    "trainer.train_batch_size": _UPDATES,
+    "trainer.ppo_mini_batch_size": _UPDATES,
+    "seed": "the prompt order and every step's sampling seed derive from it",
+    "data.source": _DATA, "data.train_files": _DATA, "data.prompt_key": _DATA, "data.answer_key": _DATA,
+    "data.template": _DATA, "data.tokenizer": _DATA, "data.max_prompt_length": _DATA, "data.shuffle": _DATA,
+    "data.num_train_examples": _DATA, "data.arithmetic_tiers": _DATA,
 }

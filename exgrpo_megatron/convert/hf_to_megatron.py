@@ -1,7 +1,8 @@
 """HF Qwen2/Llama safetensors directory -> megatron torch_dist checkpoint in the run layout.
 
 Output: `<out>/model/` (dist checkpoint of the "model" key only, TP=1 layout that megatron reshards to any
-TP/PP on load) and `<out>/model_config.yaml`. Streaming: one megatron tensor (built from at most three
+TP/PP on load), `<out>/model_config.yaml` and, written last, `<out>/manifest.json` (size + sha256 of every file:
+the trainer verifies `checkpoint.init_from` against it). Streaming: one megatron tensor (built from at most three
 memory-mapped HF tensors) is alive at a time.
 """
 
@@ -11,6 +12,7 @@ import os
 
 import torch
 
+from exgrpo_megatron.checkpoint.integrity import write_weights_manifest
 from exgrpo_megatron.config.schema import ModelConfig
 from exgrpo_megatron.convert.dist_ckpt_io import ChunkSpec, layer_extra_state_keys, sharded_key, write_dist_checkpoint
 from exgrpo_megatron.convert.hf_config import (
@@ -96,4 +98,5 @@ def convert_hf_to_megatron(hf_dir: str, out_dir: str, tp_size: int = 1, pp_size:
     if bar:
         bar.close()
     save_model_config(cfg, out_dir)
+    write_weights_manifest(out_dir)
     return cfg

@@ -52,6 +52,10 @@ class MalformedRow(ValueError):
     """A row that cannot become a PromptExample; the message is the reason."""
 
 
+class DataFileError(ValueError):
+    """A whole data file cannot be read (a .json file with a byte that is not UTF-8, or broken JSON)."""
+
+
 class EmptyDatasetError(ValueError):
     """No row of the data files is usable; the message counts the rows per reason."""
 
@@ -219,8 +223,15 @@ def _read_jsonl(path: str) -> RowIter:
 
 def _read_json(path: str) -> RowIter:
     """A JSON list of row objects, or a column dict ``{column: [values...]}``."""
-    with open(path, encoding="utf-8") as fh:
-        data = json.load(fh)
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DataFileError(f"{path}: not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 4]!r}); a .json "
+                         "file is read whole, so one bad byte fails it (a .jsonl file skips the bad line)") from None
+    except json.JSONDecodeError as exc:
+        raise DataFileError(f"{path}: JSON decode error: {exc}") from None
     if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
         lengths = {len(v) for v in data.values()}
         if len(lengths) != 1:

@@ -10,6 +10,9 @@ Entry ``<cache_dir>/<key>.npz``: the kept examples' token ids flat (int32) with 
 JSON blob with the texts, the load's ``DatasetStats`` and its malformed-row list (a cache hit reports the same
 counts as the first load). Written to a temporary name and renamed, so a crash mid-write leaves no entry.
 
+A damaged entry (truncated, flipped bytes: numpy's zip members carry CRC-32s, the JSON must parse, the key must
+match) is named in a warning and rebuilt by rank 0.
+
 Ranks: rank 0 builds the entry while the others wait at a barrier, then every rank reads it. A rank that
 still finds no entry (the cache directory is not shared between nodes) builds the data itself, as before.
 """
@@ -100,6 +103,18 @@ def load_entry(path: str, key: str) -> PromptDataset:
     return PromptDataset(examples, DatasetStats(**meta["stats"]), [tuple(m) for m in meta["malformed"]])
 
 
+def read_entry_or_none(path: str, key: str) -> PromptDataset | None:
+    """The entry at ``path``, or None when it is missing or damaged (a damaged one is named in a warning)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        return load_entry(path, key)
+    except Exception as exc:  # noqa: BLE001 - BadZipFile, EOFError, zlib.error, ValueError, KeyError, OSError...
+        print(f"exgrpo-train: token cache entry {path} is damaged ({type(exc).__name__}: {exc}); rebuilding it",
+              file=sys.stderr, flush=True)
+        return None
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -133,15 +148,17 @@ def cached_prompt_dataset(files: Sequence[str] | str, *, cache_dir: str, tokeniz
     key = cache_key(paths, tokenizer, template=template, prompt_key=prompt_key, answer_key=answer_key,
                     max_prompt_length=max_prompt_length)
     entry = os.path.join(cache_dir, f"{key}.npz")
-    built = False
-    if _rank() == 0 and not os.path.isfile(entry):
-        save_entry(tokenise(), entry, key)
-        built = True
+    built, dataset = False, None
+    if _rank() == 0:
+        dataset = read_entry_or_none(entry, key)
+        if dataset is None:
+            save_entry(tokenise(), entry, key)
+            built = True  # read back below like every rank's, so a first run sees what later ones read
     _barrier()
-    try:
-        dataset = load_entry(entry, key)
-    except (OSError, ValueError, KeyError) as exc:  # not shared with rank 0's node, or unreadable: build here
-        logger.warning("token cache: cannot read %s (%s); tokenising on this rank", entry, exc)
+    if dataset is None:
+        dataset = read_entry_or_none(entry, key)
+    if dataset is None:  # not shared with rank 0's node, or unreadable: build here
+        logger.warning("token cache: cannot read %s; tokenising on this rank", entry)
         dataset = tokenise()
     if _rank() == 0:
         print(f"exgrpo-train: prompt data {paths}: {len(dataset)} prompts "

@@ -2,13 +2,16 @@
 
 torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT. Under `srun` (one task per GPU)
 Slurm sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and SLURM_JOB_NODELIST; the master is the
-first host of the node list. A plain `python` process is rank 0 of 1.
+first host of the node list. A plain `python` process is rank 0 of 1; without MASTER_PORT it rendezvouses on a
+free port the OS picks (two single-process runs on one machine must not collide on 29500). torchrun and Slurm
+keep the launcher's port: every rank must agree on it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -60,4 +63,12 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             master_port=int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
             launcher="slurm",
         )
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)), "single")
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else free_local_port()
+    return LaunchEnv(0, 1, 0, "127.0.0.1", port, "single")
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -4,7 +4,9 @@ A from-scratch model solves nothing, so RL has no signal. Before RL, the demo tr
 with token cross-entropy on the task's solutions (`data/synthetic.py`: reasoning in think tags and
 the answer in \\boxed{}), L = -sum_t log p(y_t | x, y_<t) / N_tokens, and caches the weights as a
 weights-only checkpoint keyed by everything that determines them. RL then starts from them with a
-fresh optimizer, exactly like `checkpoint.init_from`.
+fresh optimizer, exactly like `checkpoint.init_from`. A cache entry is sealed with a manifest (size + sha256 of
+every file, checkpoint/integrity.py) and verified before use; an entry that fails (or has no manifest) is named,
+removed and trained again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -54,6 +57,7 @@ def train_warm_start(cfg: RootConfig, tokenizer: Tokenizer, out_dir: Path) -> No
     from megatron.core import parallel_state as ps
 
     from exgrpo_megatron.checkpoint import model_config_to_yaml
+    from exgrpo_megatron.checkpoint.integrity import write_weights_manifest
 
     t = cfg.trainer
     sft_cfg = replace(cfg, optim=replace(cfg.optim, lr=t.sft_warm_start_lr, lr_schedule="constant",
@@ -83,20 +87,41 @@ def train_warm_start(cfg: RootConfig, tokenizer: Tokenizer, out_dir: Path) -> No
             print(f"warm start {step + 1}/{t.sft_warm_start_steps}: token nll {nll:.3f}", file=sys.stderr)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed earlier attempt's leftover
         (tmp / "model").mkdir(parents=True, exist_ok=True)
         (tmp / "model_config.yaml").write_text(model_config_to_yaml(cfg.model))
     dist.barrier()
     dist_checkpointing.save({"model": policy.modules[0].sharded_state_dict()}, str(tmp / "model"))
     dist.barrier()
     if dist.get_rank() == 0:
+        write_weights_manifest(tmp)
         os.replace(tmp, out_dir)
     dist.barrier()
 
 
+def usable_cache_entry(out_dir: Path) -> bool:
+    """Collective: does the cache entry exist and verify? A failing one is named and removed (rank 0)."""
+    from exgrpo_megatron.checkpoint import CheckpointVerificationError
+    from exgrpo_megatron.checkpoint.integrity import verify_weights_dir
+
+    if not out_dir.exists():
+        return False
+    try:
+        verify_weights_dir(out_dir)
+        return True
+    except CheckpointVerificationError as err:
+        if dist.get_rank() == 0:
+            print(f"exgrpo-train: SFT warm-start cache entry rejected ({err}); removing it and training it again",
+                  file=sys.stderr, flush=True)
+            shutil.rmtree(out_dir, ignore_errors=True)
+        dist.barrier()
+        return False
+
+
 def warm_start_weights(cfg: RootConfig, tokenizer: Tokenizer) -> Path:
-    """The cached warm-start checkpoint for this config, trained first if missing."""
+    """The cached warm-start checkpoint for this config (verified), trained first if missing or damaged."""
     out_dir = Path(cfg.trainer.sft_cache_dir) / cache_key(cfg)
-    if not (out_dir / "model_config.yaml").exists():
+    if not usable_cache_entry(out_dir):
         if dist.get_rank() == 0:
             print(f"exgrpo-train: supervised warm start ({cfg.trainer.sft_warm_start_steps} steps) -> {out_dir}",
                   file=sys.stderr)

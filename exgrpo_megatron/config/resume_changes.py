@@ -1,0 +1,69 @@
+"""Resume with a changed config: the checkpoint's `config.yaml` against the current config, key by key.
+
+Most keys may change on resume and take effect for real, each announced in one line (`exgrpo-train: resume:
+optim.lr: 0.0001 -> 5e-05 (applied)`): the optimizer's LR schedule and Adam settings come from the current
+config (checkpoint/scheduler_state.py), everything else is read from the config every step. The keys in
+schema.RESUME_REFUSED change what the saved state means; a resume that changes one stops at start-up (exit 2)
+naming each key, unless `checkpoint.allow_config_change` lists it. The model's shape fields (checkpoint/compat.py) are
+refused always: such a checkpoint cannot be loaded into the model at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import yaml
+
+from exgrpo_megatron.config.schema import RESUME_REFUSED as REFUSED
+from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.config.validate import ConfigError
+
+# how each allowed group takes effect (the line says so); keys not listed: read from the config every step
+APPLIED_HOW: dict[str, str] = {
+    "optim.": "applied: the optimizer and LR schedule follow this config at the saved progress",
+    "trainer.total_steps": "applied: the LR decay horizon follows it",
+}
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a.b.c": leaf} of nested mappings (lists are leaves)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return {k.rstrip("."): v for k, v in out.items()}
+
+
+def config_differences(saved_yaml: str, cfg: RootConfig) -> dict[str, tuple[Any, Any]]:
+    """{key: (checkpoint value, current value)} of every leaf that differs (a key on one side only included)."""
+    saved = flatten(yaml.safe_load(saved_yaml) or {})
+    current = flatten(dataclasses.asdict(cfg))
+    missing = object()
+    out = {}
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, missing), current.get(key, missing)
+        if a != b:
+            out[key] = (None if a is missing else a, None if b is missing else b)
+    return out
+
+
+def how_applied(key: str) -> str:
+    return next((how for prefix, how in APPLIED_HOW.items() if key.startswith(prefix)), "applied")
+
+
+def check_resume_config(saved_yaml: str | None, cfg: RootConfig, where: str) -> list[str]:
+    """The lines announcing each change (one per key), or ConfigError naming every refused key."""
+    if saved_yaml is None:
+        return [f"checkpoint {where} has no config.yaml: changes of the config cannot be checked"]
+    allowed = set(cfg.checkpoint.allow_config_change)
+    changes = {k: v for k, v in config_differences(saved_yaml, cfg).items() if k != "checkpoint.allow_config_change"}
+    refused = [f"{k}: checkpoint {a!r} -> config {b!r}: changes {REFUSED[k]}; to resume anyway add it to "
+               f"checkpoint.allow_config_change" for k, (a, b) in changes.items() if k in REFUSED and k not in allowed]
+    if refused:
+        raise ConfigError([f"resuming from {where}: the config changes keys that a resume cannot take over:",
+                           *refused])
+    return [f"{k}: {a!r} -> {b!r} ("
+            f"{'allowed by checkpoint.allow_config_change' if k in REFUSED else how_applied(k)})"
+            for k, (a, b) in changes.items()]

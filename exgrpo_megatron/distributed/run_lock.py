@@ -1,0 +1,136 @@
+"""The run directory's lock, taken before anything is written into it.
+
+One trainer per run directory. Two on one directory (a Slurm requeue while the old job still runs, a second
+launch by hand) delete each other's in-progress checkpoints and write into replaced metrics files, so the
+global rank 0 takes `<run_dir>/run.lock` before the process group, the model or any file exists:
+
+* the lock is an exclusive `fcntl.flock` on that file, held for the life of the process; the kernel drops it
+  when the holder dies however it dies (SIGKILL included), so a requeue after a crash is never blocked;
+* the file says who holds it (pid, host, Slurm job, start time): a second launch exits with status 2 naming
+  the holder;
+* where the filesystem has no working flock (ENOLCK / EOPNOTSUPP), the holder recorded in the file decides:
+  same host and its pid gone -> stale, taken over; otherwise refused.
+
+The run directory is checked first (config/paths.run_dir_problem: a writable directory, or creatable; exit 2,
+key `logging.run_dir`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from exgrpo_megatron.config.paths import run_dir_problem
+
+LOCK_FILE = "run.lock"
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used (not writable, not a directory, held by another trainer)."""
+
+
+def holder_text(holder: dict[str, Any]) -> str:
+    job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+    return f"pid {holder.get('pid')} on host {holder.get('host')}{job}, since {holder.get('started')}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_holder(fh: IO[str]) -> dict[str, Any]:
+    fh.seek(0)
+    try:
+        holder = json.loads(fh.read() or "{}")
+    except ValueError:
+        holder = {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _this_holder() -> dict[str, Any]:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+@dataclass
+class RunDirLock:
+    """An acquired lock; `release()` (or process exit) gives it up."""
+
+    path: Path
+    handle: IO[str] | None
+
+    def release(self) -> None:
+        if self.handle is None:
+            return
+        try:
+            self.handle.seek(0)
+            self.handle.truncate()  # an empty lock file: nobody holds it
+            self.handle.flush()
+        except OSError:
+            pass
+        fcntl.flock(self.handle, fcntl.LOCK_UN)
+        self.handle.close()
+        self.handle = None
+
+
+def _claim_without_flock(fh: IO[str], path: Path) -> None:
+    """Filesystems without flock: the recorded holder decides (stale only when it is provably gone)."""
+    holder = _read_holder(fh)
+    if not holder or holder.get("pid") == os.getpid():
+        return
+    if holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1))):
+        return  # stale: the holder on this host is gone
+    raise RunDirError(f"logging.run_dir: {path.parent} is in use by another trainer ({holder_text(holder)}); this "
+                      f"filesystem has no file locks, so the holder cannot be checked from here: if it is gone, "
+                      f"delete {path}")
+
+
+def acquire_run_dir(run_dir: str | Path) -> RunDirLock:
+    """Check the run directory, create it, and take its lock; RunDirError (a `logging.run_dir:` line) when the
+    directory is unusable or a live trainer holds it."""
+    problem = run_dir_problem(run_dir)
+    if problem is not None:
+        raise RunDirError(problem)
+    path = Path(run_dir).expanduser() / LOCK_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the life of the run
+    except OSError as err:
+        raise RunDirError(f"logging.run_dir: {str(run_dir)!r}: cannot create {path}: {err.strerror or err}") from err
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(fh)
+        fh.close()
+        raise RunDirError(f"logging.run_dir: {path.parent} is in use by another trainer "
+                          f"({holder_text(holder)}); two trainers on one run directory overwrite each other's "
+                          "checkpoints and metrics. Wait for it to end, or use another logging.run_dir") from None
+    except OSError as err:
+        if err.errno not in _NO_FLOCK:
+            fh.close()
+            raise RunDirError(f"logging.run_dir: cannot lock {path}: {err}") from err
+        try:
+            _claim_without_flock(fh, path)
+        except RunDirError:
+            fh.close()
+            raise
+    fh.seek(0)
+    fh.truncate()
+    fh.write(json.dumps(_this_holder()) + "\n")
+    fh.flush()
+    os.fsync(fh.fileno())
+    return RunDirLock(path, fh)
