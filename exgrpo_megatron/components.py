@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from exgrpo_megatron.algo.algorithm import Algorithm, ExperienceKnobs, build_algorithm
+from exgrpo_megatron.algo.protocol import ExperienceKnobs, RLAlgorithm
+from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
@@ -30,8 +31,8 @@ class Components:
     train_data: PromptDataset
     val_data: PromptDataset | None
     sampler: PromptSampler
-    algorithm: Algorithm
-    pool: ShardedExperiencePool | None  # None: on-policy (algo.name=grpo)
+    algorithm: RLAlgorithm  # algo.name (algo/registry.py)
+    pool: ShardedExperiencePool | None  # None: on-policy (the algorithm has no experience knobs)
     schedule: ExperienceSchedule  # the phase: warm-up -> collecting -> mixed
     policy: Policy
     engine: RolloutEngine

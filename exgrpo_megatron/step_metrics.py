@@ -30,8 +30,8 @@ def rollout_mismatch(batch: TrainBatch) -> tuple[float, float]:
 
 
 def pop_mismatch(per_micro: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-    """(sum, count) of the loss's mismatch metrics (`Algorithm.loss` with measure_mismatch), removed from the
-    micro-batch metrics; (0, 0) when the loss did not measure it."""
+    """(sum, count) of the loss's mismatch metrics (`policy.objective.rl_loss_fn` with measure_mismatch), removed
+    from the micro-batch metrics; (0, 0) when the loss did not measure it."""
     total, count = 0.0, 0.0
     for m in per_micro:
         total += float(m.pop("mismatch_sum", 0.0))

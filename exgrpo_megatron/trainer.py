@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from exgrpo_megatron.algo.loss import global_loss_counts
+from exgrpo_megatron.algo.protocol import GradedResponse, RLAlgorithm
 from exgrpo_megatron.components import Components, build_components
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import QuestionGroup, compose_step, local_groups
@@ -33,6 +33,7 @@ from exgrpo_megatron.policy.policy import updates_per_step
 from exgrpo_megatron.policy.scoring import make_scorer
 from exgrpo_megatron.policy.train_batch import TrainBatch, build_train_batch, micro_batches_for_update
 from exgrpo_megatron.reward.rollout_rewards import StreamingGrading, rewards_per_group
+from exgrpo_megatron.rollout.group_filter import StepRollouts, filter_and_refill
 from exgrpo_megatron.rollout.groups import generate_groups
 from exgrpo_megatron.rollout.types import Sample, SamplingParams
 from exgrpo_megatron.run_state import RunState
@@ -41,6 +42,11 @@ from exgrpo_megatron.step_metrics import StepTotals, pop_mismatch, rollout_misma
 
 def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**31)
+
+
+def rollout_seed(seed: int, step: int, refill_round: int) -> int:
+    """The sampling seed of a step's generation round (round 0: the step's seed; refill rounds their own)."""
+    return step_seed(seed, step) if refill_round == 0 else step_seed(seed * 7919 + refill_round, step)
 
 
 def train_step(c: Components, state: RunState, step: int) -> dict[str, float | str]:
@@ -52,28 +58,35 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float | s
     samples, grading, t_refit = generate(c, mine, step)
     t_gen = time.perf_counter()
     graded = grading.result()  # time/reward: the grading not overlapped with generation
-    rewards = rewards_per_group(graded.rewards, samples)
+    rollouts = StepRollouts.unfiltered(mine, samples, rewards_per_group(graded.rewards, samples))
     t_rew = time.perf_counter()
-    batch = build_train_batch(samples, rewards, c.algorithm.adv_std_normalize)
+    if c.algorithm.filters_groups:
+        rollouts = refill_dropped_groups(c, rollouts, step)
+    t_filter = time.perf_counter()
+    batch = build_train_batch(rollouts.samples, rollouts.rewards, c.algorithm.advantages)
     totals.add_rollouts(batch, graded.n_worker_deaths)
-    forward_rows = set_old_logprobs(c, batch, mine, totals)
+    forward_rows = set_old_logprobs(c, batch, rollouts.groups, totals)
     t_old = time.perf_counter()
-    state.consecutive_skips = update_policy(c, batch, len(mine), phase, totals, state.consecutive_skips)
+    state.consecutive_skips = update_policy(c, batch, len(rollouts.groups), phase, totals, state.consecutive_skips)
     t_train = time.perf_counter()
-    collect_into_pool(c, mine, samples, rewards, step)
-    c.schedule.end_step(solved_fraction(batch.rewards, c.dp_group), step)
+    collect_into_pool(c, rollouts, step)
+    all_rewards = [x for group_rewards in rollouts.graded_rewards for x in group_rewards]
+    c.schedule.end_step(solved_fraction(all_rewards, c.dp_group), step)
     t_end = time.perf_counter()
     out: dict[str, float | str] = dict(totals.finish(c.algorithm.step_metrics))
     out.update({
         "phase": "warmup" if phase is Phase.WARMUP else "mixed",
         "experience/n_replayed": float(sum(g.replay is not None for g in groups)),
-        "time/generate": t_gen - t0, "time/reward": t_rew - t_gen, "time/train": t_train - t_rew,
+        "time/generate": t_gen - t0, "time/reward": t_rew - t_gen, "time/train": t_train - t_filter,
         "time/step": t_end - t0, "reward/grader_timeouts": float(graded.n_timeouts_killed),
-        "time/old_logprobs": t_old - t_rew, "time/refit": t_refit,
+        "time/old_logprobs": t_old - t_filter, "time/refit": t_refit,
         "old_logprobs/forward_rows": float(totals.all_reduce_dp(torch.tensor([float(forward_rows)]))[0]),
         "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
     })
     out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(t_end - t0, 1e-9)
+    if c.algorithm.filters_groups:
+        out.update({"filter/dropped_groups": float(rollouts.dropped), "filter/refill_rounds": float(rollouts.rounds),
+                    "time/refill": t_filter - t_rew})
     if c.pool is not None:
         out.update(c.pool.stats())
     return out
@@ -93,19 +106,36 @@ def plan_step(c: Components, step: int, phase: Phase) -> list[QuestionGroup]:
                         scorer=scorer)
 
 
-def generate(c: Components, mine: list[QuestionGroup], step: int) -> tuple[list[list[Sample]], StreamingGrading, float]:
+def generate(c: Components, mine: list[QuestionGroup], step: int, refill_round: int = 0
+             ) -> tuple[list[list[Sample]], StreamingGrading, float]:
     """K samples per fresh question, K-1 + the stored trajectory per replayed one; each engine batch's groups go to
     the grader pool as soon as they are done (graded while the next one generates). Returns the samples, the
     grading under way and the seconds the engine spent refitting its weights (vLLM; part of time/generate)."""
     cfg, r = c.cfg, c.cfg.rollout
     params = SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=r.temperature, top_p=r.top_p,
-                            top_k=r.top_k, stop_strings=list(r.stop), seed=step_seed(cfg.seed, step))
+                            top_k=r.top_k, stop_strings=list(r.stop), seed=rollout_seed(cfg.seed, step, refill_round))
     grading = StreamingGrading(c.grader, c.tokenizer, mine, cfg.reward.require_think)
     refit_before = float(getattr(c.engine, "refit_seconds_total", 0.0))  # vLLM: refits before generating if stale
     c.engine.wake()
     samples = generate_groups(c.engine, mine, r.n, params, on_chunk=grading.submit)
     c.engine.sleep()
     return samples, grading, float(getattr(c.engine, "refit_seconds_total", 0.0)) - refit_before
+
+
+def refill_dropped_groups(c: Components, first: StepRollouts, step: int) -> StepRollouts:
+    """The algorithm's group filter over the graded groups, the batch refilled with fresh groups for at most
+    `algo.max_refill_rounds` extra rounds (rollout/group_filter.py: the same decision on every DP rank)."""
+    def generate_round(groups: list[QuestionGroup], refill_round: int) -> tuple[list[list[Sample]], list[list[float]]]:
+        samples, grading, _ = generate(c, groups, step, refill_round)
+        return samples, rewards_per_group(grading.result().rewards, samples)
+
+    def draw_fresh(n: int) -> list[QuestionGroup]:
+        return compose_step(c.train_data, c.sampler, c.pool, replay_on=False, batch_size=n, experience_ratio=0.0,
+                            step_seed=step_seed(c.cfg.seed, step), scorer=None)
+
+    return filter_and_refill(c.algorithm.keep_group, first, generate_round=generate_round, draw_fresh=draw_fresh,
+                             max_rounds=c.cfg.algo.max_refill_rounds, dp_group=c.dp_group,
+                             dp_rank=c.layout.dp_rank, dp_size=c.layout.dp_size)
 
 
 def set_old_logprobs(c: Components, batch: TrainBatch, mine: list[QuestionGroup], totals: StepTotals) -> int:
@@ -143,28 +173,23 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase,
     return consecutive_skips
 
 
-def collect_into_pool(c: Components, mine: list[QuestionGroup], samples: list[list[Sample]],
-                      rewards: list[list[float]], step: int) -> None:
-    """What the pool learns from this step's groups (nothing without a pool)."""
+def collect_into_pool(c: Components, rollouts: StepRollouts, step: int) -> None:
+    """What the pool learns from every group graded this step, trained on or not (nothing without a pool)."""
     if c.pool is not None:
-        c.pool.update(group_outcomes(mine, samples, rewards, step, collect=c.schedule.collects))
+        c.pool.update(pool_outcomes(c.algorithm, rollouts, step, collect=c.schedule.collects))
 
 
-def group_outcomes(groups: Sequence[QuestionGroup], samples: list[list[Sample]], rewards: list[list[float]],
-                   step: int, collect: bool) -> list[GroupOutcome]:
-    """What the pool learns from each group: k correct of K; correct trajectories only once the schedule
-    collects (the original collects nothing during warm-up), retirement (k == K) always."""
+def pool_outcomes(algorithm: RLAlgorithm, rollouts: StepRollouts, step: int, collect: bool) -> list[GroupOutcome]:
+    """The algorithm's pool hook on each graded group."""
     out = []
-    for g, group_samples, r in zip(groups, samples, rewards, strict=True):
-        k = int(sum(x == 1.0 for x in r))
-        K = len(group_samples)
-        if not collect and k != K:
-            continue
-        correct = [s for s, x in zip(group_samples, r, strict=True) if x == 1.0] if collect else []
-        out.append(GroupOutcome(
-            qid=g.qid, k_correct=k, group_size=K, step=step,
-            correct_token_ids=[np.asarray(s.response_ids, dtype=np.int32) for s in correct],
-            correct_logprobs=[np.asarray(s.logprobs, dtype=np.float32) for s in correct]))
+    for g, samples, rewards in zip(rollouts.graded_groups, rollouts.graded_samples, rollouts.graded_rewards,
+                                   strict=True):
+        responses = [GradedResponse(np.asarray(s.response_ids, dtype=np.int32),
+                                    np.asarray(s.logprobs, dtype=np.float32), x)
+                     for s, x in zip(samples, rewards, strict=True)]
+        outcome = algorithm.pool_outcome(g.qid, responses, step, collect)
+        if outcome is not None:
+            out.append(outcome)
     return out
 
 

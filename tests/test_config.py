@@ -43,7 +43,6 @@ def test_overrides_apply_and_defaults_follow_the_paper():
         (["rollout.engine=sglang"], "rollout.engine"),
         (["algo.loss_agg_mode=seq_mean"], "algo.loss_agg_mode"),
         (["trainer.experience_rbound=8"], "trainer.experience_rbound"),
-        (["algo.name=ppo"], "algo.name"),
         (["++parallel.pipeline_model_parallel_size=1", "++parallel.virtual_pipeline_model_parallel_size=2"],
          "parallel.virtual_pipeline_model_parallel_size"),
     ],

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from exgrpo_megatron.algo.algorithm import build_algorithm
 from exgrpo_megatron.algo.loss import exgrpo_loss, select_behaviour_logprobs
+from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.components import build_pool
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import config_errors

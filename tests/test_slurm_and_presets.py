@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.dry_run import count_parameters, dry_run_report, estimate_memory
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import validate
@@ -299,7 +300,8 @@ def test_every_preset_resolves_and_validates(preset: str) -> None:
     world = 1 if preset == "demo_cpu" else 8
     cfg = load_config(preset, overrides)
     validate(cfg, world, check_paths=False)  # the presets' models and data are not on this machine
-    report = dry_run_report(cfg, world)
+    algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    report = dry_run_report(cfg, world, replays=algorithm.experience is not None)
     assert "WARNING" not in report, report
 
 

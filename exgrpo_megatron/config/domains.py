@@ -93,6 +93,7 @@ DOMAINS: dict[str, Domain] = {
     "algo.clip_ratio": POSITIVE, "algo.shaping_beta": POSITIVE, "algo.entropy_coeff": NON_NEGATIVE,
     "algo.skip_grad_bound": Domain(lo=0, lo_open=True, inf_ok=True),  # inf = never skip
     "algo.max_consecutive_skips": AT_LEAST_1, "algo.loss_seqs_per_rank_ref": POSITIVE,
+    "algo.max_refill_rounds": NON_NEGATIVE,  # 0 = a dropped group is not replaced
     # trainer
     "trainer.total_steps": AT_LEAST_1, "trainer.train_batch_size": AT_LEAST_1,
     "trainer.ppo_mini_batch_size": AT_LEAST_1, "trainer.micro_batch_max_tokens": AT_LEAST_1,

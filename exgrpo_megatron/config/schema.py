@@ -88,7 +88,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = "exgrpo"  # exgrpo | grpo (on-policy: no experience pool); ALGORITHMS below
+    name: str = "exgrpo"  # a registered variant (algo/variants/: exgrpo | grpo | ...) or package.module:Class
     adv_std_normalize: bool = False  # Dr.GRPO: no std division
     clip_ratio: float = 0.2  # PPO clip on fresh tokens during warm-up
     shaping_beta: float = 0.1  # f(w) = w / (w + beta) on replayed tokens
@@ -101,6 +101,7 @@ class AlgoConfig:
     loss_seqs_per_rank_ref: float = 64.0  # token_sum_constant: the original's sequences per rank (64x8 seqs / 8 GPUs)
     policy_shaping: bool = True  # replay tokens: f(w) = w/(w+beta); false = plain IS ratio w ("w/o shaping")
     mixed_phase_clip: bool = False  # PPO clip on fresh tokens in the mixed phase too (paper §D.1: off)
+    max_refill_rounds: int = 3  # extra generation rounds refilling groups the algorithm's filter dropped
 
 
 @dataclass
@@ -188,10 +189,6 @@ class RootConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# The algorithm variants `algo.name` selects -> whether the experience pool is on (algo/algorithm.py builds the
-# object): exgrpo; grpo = on-policy Dr.GRPO, the same algorithm with experience off.
-ALGORITHMS: dict[str, bool] = {"exgrpo": True, "grpo": False}
-
 # The allowed values of the string keys with a fixed set of values (the defaults above are among them).
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.family": ("qwen2", "llama"),
@@ -201,7 +198,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.lr_schedule": ("constant", "cosine", "linear"),
     "rollout.engine": ("megatron", "vllm"),
     "rollout.vllm.dtype": ("auto", "fp32", "bf16", "fp16"),
-    "algo.name": tuple(ALGORITHMS),
     "algo.loss_agg_mode": ("token_sum_constant", "token_mean"),
     "algo.old_logprobs": ("auto", "recompute", "rollout"),
     "trainer.exp_metric": ("ent", "ppl", "random"),
