@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from exgrpo_megatron.algo.registry import build_algorithm
+from exgrpo_megatron.algo.variants.dapo import DAPO
+from exgrpo_megatron.algo.variants.exgrpo import ExGRPO
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.experience.schedule import Phase
 from tests.helpers.demo_digest import overrides, warm_start
@@ -111,3 +114,44 @@ def test_training_with_rloo_uses_its_advantages(tmp_path, sft_dir):
         assert batch["advantages"] == pytest.approx(want, rel=1e-12, abs=1e-15)
         informative += sum(len(set(row)) > 1 for row in batch["rewards"])
     assert informative > 0 and [m["phase"] for m in rec["metrics"]] == ["warmup", "warmup"]
+
+
+# ------------------------------------------------------------------------------------------------------- DAPO
+@dataclass(frozen=True)
+class ExGRPOWithDynamicSampling(ExGRPO):
+    """ExGRPO with DAPO's filter, selected by its path: the filter with an experience pool."""
+
+    filters_groups = True
+    keep_group = DAPO.keep_group
+
+
+def test_dapo_keeps_exactly_the_groups_with_unequal_rewards():
+    algo = _build("dapo")
+    assert algo.filters_groups
+    for rewards in ([1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]):
+        assert algo.keep_group(rewards) is (max(rewards) != min(rewards))
+
+
+def test_training_with_dapo_trains_only_informative_groups(tmp_path, sft_dir):
+    rec = run_on_ranks(_train_recording, 1, args=(overrides(str(tmp_path / "dapo"), sft_dir,
+                                                            ("algo.name=dapo", "trainer.total_steps=2")),))[0]
+    for batch, graded, m in zip(rec["batches"], rec["graded"], rec["metrics"], strict=True):
+        assert all(len(set(row)) > 1 for row in batch["rewards"])
+        n_uninformative = sum(len(set(r)) == 1 for _, r in graded)
+        assert m["filter/dropped_groups"] == len(graded) - len(batch["rewards"]) >= n_uninformative > 0
+        assert len(batch["rewards"]) == 16 or m["filter/refill_rounds"] == 3  # refilled to B, or the cap was hit
+
+
+def test_dynamic_sampling_on_two_ranks_with_the_pool(tmp_path, sft_dir):
+    name = f"{__name__}:ExGRPOWithDynamicSampling"
+    got = run_on_ranks(_train_recording, 2, args=(overrides(str(tmp_path / "exgrpo_ds"), sft_dir,
+                                                            (f"algo.name={name}", "trainer.total_steps=3")),))
+    metrics = got[0]["metrics"]
+    assert sum(m["filter/dropped_groups"] for m in metrics) > 0 and sum(m["experience/n_replayed"] for m in metrics) > 0
+    for step in range(3):
+        sizes = [len(r["batches"][step]["rewards"]) for r in got]
+        assert sizes[0] == sizes[1]  # every rank trains the same number of groups
+        assert all(len(set(row)) > 1 for r in got for row in r["batches"][step]["rewards"])
+    # every graded group reached the pool, trained or dropped: the retired questions are exactly those solved K of K
+    solved = {qid for r in got for step in r["graded"] for qid, rewards in step if min(rewards) == 1.0}
+    assert solved and got[0]["retired"] == got[1]["retired"] == sorted(solved)
