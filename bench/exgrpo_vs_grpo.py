@@ -50,7 +50,7 @@ ABLATIONS: dict[str, list[str]] = {
     "random_trajectory": ["trainer.exp_metric=random"],
     "highest_entropy_trajectory": ["trainer.exp_select_mode=argmax"],
     "no_policy_shaping": ["algo.policy_shaping=false"],
-    "no_is_correction": ["algo.exp_is_correct=false"],
+    "no_is_correction": ["algo.replay_is_correction=false"],
     "rho_0.25": ["trainer.experience_ratio=0.25"],
     "rho_0.75": ["trainer.experience_ratio=0.75"],
 }

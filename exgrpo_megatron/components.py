@@ -115,7 +115,8 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
     algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     knobs = algorithm.experience
     pool = build_pool(knobs, cfg.rollout.n, dp_group) if knobs is not None else None
-    schedule = ExperienceSchedule(knobs.start_sratio if knobs is not None else 0.0, enabled=knobs is not None)
+    start = knobs.delayed_start_pass_rate if knobs is not None else 0.0
+    schedule = ExperienceSchedule(start, enabled=knobs is not None)
     policy = Policy(cfg)
     return Components(
         cfg=cfg, layout=layout, tokenizer=tokenizer, train_data=train, val_data=val,

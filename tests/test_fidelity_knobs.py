@@ -123,9 +123,9 @@ def test_is_correction_switch_picks_recorded_or_current_old_logprobs():
     old = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]])
     recorded = torch.tensor([[-3.0, -4.0], [-3.5, -2.5]])
     replay = torch.tensor([True, False])
-    on = select_behaviour_logprobs(old, recorded, replay, exp_is_correct=True)
+    on = select_behaviour_logprobs(old, recorded, replay, replay_is_correction=True)
     torch.testing.assert_close(on, torch.tensor([[-3.0, -4.0], [-1.5, -0.5]]))
-    torch.testing.assert_close(select_behaviour_logprobs(old, recorded, replay, exp_is_correct=False), old)
+    torch.testing.assert_close(select_behaviour_logprobs(old, recorded, replay, replay_is_correction=False), old)
 
 
 @pytest.mark.parametrize("rho,expected", [(0.25, 16), (0.5, 32), (0.75, 48)])

@@ -36,7 +36,7 @@ class ExperienceKnobs:
     """The experience pool's knobs (paper §4.1-4.2; config: trainer.experience_* / trainer.exp_*)."""
 
     ratio: float  # rho: share of the batch drawn from the pool
-    start_sratio: float  # delayed start: mixed mode once a step's solved fraction exceeds this (<= 0: step 1)
+    delayed_start_pass_rate: float  # mixed mode once a step's solved fraction exceeds this (<= 0: from step 1)
     lbound: int  # a question is replayable iff lbound < k <= rbound
     rbound: int
     max_trajectories_per_question: int  # 0 = no cap

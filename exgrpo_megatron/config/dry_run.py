@@ -292,7 +292,7 @@ def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
     ]
     if replays:
         n_exp = int(t.train_batch_size * t.experience_ratio)
-        start = (f"once batch pass rate > {t.experience_start_sratio}" if t.experience_start_sratio > 0
+        start = (f"once batch pass rate > {t.delayed_start_pass_rate}" if t.delayed_start_pass_rate > 0
                  else "from step 1 (delayed start disabled)")
         lines.append(f"  experience replay: mixed phase {start}: up to {n_exp} replayed + "
                      f"{t.train_batch_size - n_exp} fresh prompts (rho={t.experience_ratio}; "

@@ -94,7 +94,7 @@ class AlgoConfig:
     shaping_beta: float = 0.1  # f(w) = w / (w + beta) on replayed tokens
     entropy_coeff: float = 0.001
     loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean
-    exp_is_correct: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs
+    replay_is_correction: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs (was exp_is_correct)
     old_logprobs: str = "auto"  # auto | recompute | rollout (pi_old source, policy/old_logprobs.py)
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20
@@ -114,7 +114,7 @@ class TrainerConfig:
     fused_output_logprobs: bool = True  # output layer fused into the chunked log-prob/entropy (no [T, V] logits)
     train_threads: int = 0  # policy forward/backward threads; 0 = cores // ranks on the node (distributed/threads.py)
     experience_ratio: float = 0.5  # rho
-    experience_start_sratio: float = 0.35  # delayed start; <= 0 means from step 1
+    delayed_start_pass_rate: float = 0.35  # delayed start; <= 0 means from step 1 (was experience_start_sratio)
     experience_lbound: int = 0
     experience_rbound: int = 7
     exp_metric: str = "ent"  # ent | ppl | random

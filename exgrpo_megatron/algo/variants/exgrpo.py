@@ -2,7 +2,7 @@
 train through policy shaping.
 
 It owns what the paper defines and ablates: the behaviour log-probs of the replay ratio (importance-sampling
-correction, `algo.exp_is_correct`), the loss of each phase (warm-up: PPO clip on fresh tokens; collecting /
+correction, `algo.replay_is_correction`), the loss of each phase (warm-up: PPO clip on fresh tokens; collecting /
 mixed: unclipped, replayed tokens shaped by f(w); `algo/loss.py`) and the pool's knobs (`ExperienceKnobs`:
 rho, the delayed start, question selection mu / sigma / bucket weights, the trajectory selection rule) and what
 the pool learns from a group (`pool_outcome`).
@@ -26,7 +26,7 @@ from exgrpo_megatron.experience.types import GroupOutcome
 
 def experience_knobs(t: TrainerConfig) -> ExperienceKnobs:
     return ExperienceKnobs(
-        ratio=t.experience_ratio, start_sratio=t.experience_start_sratio, lbound=t.experience_lbound,
+        ratio=t.experience_ratio, delayed_start_pass_rate=t.delayed_start_pass_rate, lbound=t.experience_lbound,
         rbound=t.experience_rbound, max_trajectories_per_question=t.exp_max_trajectories_per_question,
         bucket_manager=t.exp_bucket_manager, bucket_mu=t.exp_bucket_mu, bucket_sigma=t.exp_bucket_sigma,
         metric=t.exp_metric, select_mode=t.exp_select_mode)
@@ -42,7 +42,7 @@ class ExGRPO(GroupRelative):
     shaping_beta: float
     policy_shaping: bool
     mixed_phase_clip: bool
-    exp_is_correct: bool
+    replay_is_correction: bool
     entropy_coeff: float
     loss_agg_mode: str
     loss_seqs_per_rank_ref: float
@@ -54,7 +54,8 @@ class ExGRPO(GroupRelative):
         return cls(
             name=name, experience=experience_knobs(trainer), adv_std_normalize=a.adv_std_normalize,
             clip_ratio=a.clip_ratio, shaping_beta=a.shaping_beta, policy_shaping=a.policy_shaping,
-            mixed_phase_clip=a.mixed_phase_clip, exp_is_correct=a.exp_is_correct, entropy_coeff=a.entropy_coeff,
+            mixed_phase_clip=a.mixed_phase_clip, replay_is_correction=a.replay_is_correction,
+            entropy_coeff=a.entropy_coeff,
             loss_agg_mode=a.loss_agg_mode, loss_seqs_per_rank_ref=a.loss_seqs_per_rank_ref,
             max_response_length=max_response_length)
 
@@ -65,7 +66,7 @@ class ExGRPO(GroupRelative):
 
     def behaviour_logprobs(self, old_logprobs: Tensor, recorded_logprobs: Tensor, replay: Tensor) -> Tensor:
         """The replay ratio's denominator: recorded pi_past on replayed tokens with IS correction, else pi_old."""
-        return select_behaviour_logprobs(old_logprobs, recorded_logprobs, replay, self.exp_is_correct)
+        return select_behaviour_logprobs(old_logprobs, recorded_logprobs, replay, self.replay_is_correction)
 
     def loss(self, logprobs: Tensor, entropy: Tensor | None, response_mask: Tensor, *, old_logprobs: Tensor,
              generation_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
