@@ -59,7 +59,7 @@ ABLATIONS: dict[str, list[str]] = {
     "random_trajectory": ["trainer.exp_metric=random"],
     "highest_entropy_trajectory": ["trainer.exp_select_mode=argmax"],
     "no_policy_shaping": ["algo.policy_shaping=false"],
-    "no_is_correction": ["algo.exp_is_correct=false"],
+    "no_is_correction": ["algo.replay_is_correction=false"],
     "rho_0.25": ["trainer.experience_ratio=0.25"],
     "rho_0.75": ["trainer.experience_ratio=0.75"],
     "sigma_0.5": ["trainer.exp_bucket_sigma=0.5"],  # Tab. 3: narrower bucket weights (count units, as the code)
@@ -67,7 +67,7 @@ ABLATIONS: dict[str, list[str]] = {
     "mu_0.25": ["trainer.exp_bucket_mu=0.25"],  # Tab. 3: centred on harder questions (k = K/4)
 }
 # Paper Tab. 5 / Fig. 4 (Llama-3.1-8B base): a weak start, delayed start off as the paper runs it for Llama.
-WEAK_START_OVERRIDES = ["trainer.sft_warm_start_steps=150", "trainer.experience_start_sratio=0"]
+WEAK_START_OVERRIDES = ["trainer.sft_warm_start_steps=150", "trainer.delayed_start_pass_rate=0"]
 WEAK_START: dict[str, list[str]] = {f"weak_{arm}": [*ov, *WEAK_START_OVERRIDES] for arm, ov in
                                     (("exgrpo", []), ("grpo", ["algo.name=grpo"]))}
 # Beyond the paper (issue 15, item 6): ExGRPO with its fresh tokens clipped in the mixed phase as the GRPO arm's are

@@ -19,7 +19,7 @@ CURVES = ("val", "entropy/mean", "replay/token_fraction", "replay/is_weight_mean
           "replay/shaped_weight_mean", "reward/fresh_mean")
 
 
-# The paper's Qwen2.5-Math-7B in-distribution averages (Tab. 6 / Tab. 3; shared/docs/exgrpo_algorithm.md §5).
+# The paper's Qwen2.5-Math-7B in-distribution averages (Tab. 6 / Tab. 3).
 PAPER_ID_AVG = {"exgrpo": 48.3, "no_question_selection": 46.7, "random_trajectory": 46.3,
                 "highest_entropy_trajectory": 46.0, "no_policy_shaping": 41.2, "no_is_correction": 47.1,
                 "rho_0.25": 46.4, "rho_0.75": 44.8, "sigma_0.5": 46.2, "sigma_1.5": 46.2, "mu_0.25": 46.3}

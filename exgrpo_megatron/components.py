@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from exgrpo_megatron.algo.algorithm import Algorithm, ExperienceKnobs, build_algorithm
+from exgrpo_megatron.algo.protocol import ExperienceKnobs, RLAlgorithm
+from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
@@ -17,9 +18,38 @@ from exgrpo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from exgrpo_megatron.distributed.runtime import ParallelLayout
 from exgrpo_megatron.experience.schedule import ExperienceSchedule
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
-from exgrpo_megatron.policy.policy import Policy
+from exgrpo_megatron.policy.policy import Policy, updates_per_step
 from exgrpo_megatron.reward.grader import GraderPool
-from exgrpo_megatron.rollout.types import RolloutEngine
+from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What a training step reads, resolved from the config once at start-up (the step never sees the root
+    config)."""
+
+    seed: int
+    batch_size: int  # trainer.train_batch_size: question groups per step
+    group_size: int  # rollout.n: K
+    updates_per_step: int  # train_batch_size / ppo_mini_batch_size
+    micro_batch_max_tokens: int
+    sequence_packing: bool
+    sampling: SamplingParams  # the rollout's; its seed is set per step and round
+    vocab_size: int
+    require_think: bool
+    skip_grad_bound: float
+    max_refill_rounds: int
+
+
+def step_settings(cfg: RootConfig) -> StepSettings:
+    t, r = cfg.trainer, cfg.rollout
+    return StepSettings(
+        seed=cfg.seed, batch_size=t.train_batch_size, group_size=r.n, updates_per_step=updates_per_step(t),
+        micro_batch_max_tokens=t.micro_batch_max_tokens, sequence_packing=t.sequence_packing,
+        sampling=SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=r.temperature,
+                                top_p=r.top_p, top_k=r.top_k, stop_strings=list(r.stop)),
+        vocab_size=cfg.model.vocab_size, require_think=cfg.reward.require_think,
+        skip_grad_bound=cfg.algo.skip_grad_bound, max_refill_rounds=cfg.algo.max_refill_rounds)
 
 
 @dataclass
@@ -30,12 +60,13 @@ class Components:
     train_data: PromptDataset
     val_data: PromptDataset | None
     sampler: PromptSampler
-    algorithm: Algorithm
-    pool: ShardedExperiencePool | None  # None: on-policy (algo.name=grpo)
+    algorithm: RLAlgorithm  # algo.name (algo/registry.py)
+    pool: ShardedExperiencePool | None  # None: on-policy (the algorithm has no experience knobs)
     schedule: ExperienceSchedule  # the phase: warm-up -> collecting -> mixed
     policy: Policy
     engine: RolloutEngine
     grader: GraderPool
+    settings: StepSettings
     old_logprobs: str = "recompute"  # algo.old_logprobs resolved: recompute | rollout (policy/old_logprobs.py)
     dp_group: Any = None  # the data-parallel gloo group (CPU collectives), None with one DP rank
 
@@ -84,12 +115,13 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
     algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     knobs = algorithm.experience
     pool = build_pool(knobs, cfg.rollout.n, dp_group) if knobs is not None else None
-    schedule = ExperienceSchedule(knobs.start_sratio if knobs is not None else 0.0, enabled=knobs is not None)
+    start = knobs.delayed_start_pass_rate if knobs is not None else 0.0
+    schedule = ExperienceSchedule(start, enabled=knobs is not None)
     policy = Policy(cfg)
     return Components(
         cfg=cfg, layout=layout, tokenizer=tokenizer, train_data=train, val_data=val,
         sampler=PromptSampler(train.qids(), seed=cfg.seed, shuffle=cfg.data.shuffle),
         algorithm=algorithm, pool=pool, schedule=schedule, policy=policy,
         engine=build_engine(cfg, policy, tokenizer), grader=GraderPool.from_config(cfg.reward),
-        old_logprobs=resolve_old_logprobs_for(cfg), dp_group=dp_group,
+        settings=step_settings(cfg), old_logprobs=resolve_old_logprobs_for(cfg), dp_group=dp_group,
     )

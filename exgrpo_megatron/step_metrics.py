@@ -5,6 +5,7 @@ Metrics only report: nothing here steers the run (the phase is `experience.sched
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,13 +31,36 @@ def rollout_mismatch(batch: TrainBatch) -> tuple[float, float]:
 
 
 def pop_mismatch(per_micro: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-    """(sum, count) of the loss's mismatch metrics (`Algorithm.loss` with measure_mismatch), removed from the
-    micro-batch metrics; (0, 0) when the loss did not measure it."""
+    """(sum, count) of the loss's mismatch metrics (`policy.objective.rl_loss_fn` with measure_mismatch), removed
+    from the micro-batch metrics; (0, 0) when the loss did not measure it."""
     total, count = 0.0, 0.0
     for m in per_micro:
         total += float(m.pop("mismatch_sum", 0.0))
         count += float(m.pop("mismatch_count", 0.0))
     return total, count
+
+
+class StepTimer:
+    """The step's one clock: `lap(name)` adds the seconds since the previous lap (or the start) to `name`."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return self.last - self.start
+
+
+def consecutive_skips_after(before: int, skipped: list[bool]) -> int:
+    """The count of consecutive skipped updates after this step's updates (`skipped`, in order)."""
+    for s in skipped:
+        before = before + 1 if s else 0
+    return before
 
 
 class StepTotals:

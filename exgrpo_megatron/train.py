@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
+    from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.config.validate import ConfigError, validate, vllm_startup_errors
     from exgrpo_megatron.distributed.launch_env import launch_env
@@ -60,13 +61,14 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
     try:
         cfg = load_config(args.config_name, overrides, args.config_dir)
         validate(cfg, world_size)
+        algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     except ConfigError as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)
         return EXIT_INVALID_CONFIG
     if args.dry_run or cfg.dry_run:
         from exgrpo_megatron.config.dry_run import dry_run_report
 
-        print(dry_run_report(cfg, world_size))
+        print(dry_run_report(cfg, world_size, replays=algorithm.experience is not None))
         return 0
     startup_errors = vllm_startup_errors(cfg)
     if startup_errors:

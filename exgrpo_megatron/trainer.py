@@ -1,4 +1,4 @@
-"""The ExGRPO training loop: one function per step, reading like the diagram in docs.
+"""The training loop: one function per step, one function per verb of the step.
 
     plan + draw (fresh prompts; replays chosen by the pool's scorer) -> generate (replays spliced; grading
     streams alongside) -> grade -> assemble the batch (advantages, pi_old) -> update -> collect into the pool
@@ -12,13 +12,13 @@ collecting -> mixed) is `c.schedule`'s; the algorithm (`c.algorithm`, `algo.name
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from exgrpo_megatron.algo.loss import global_loss_counts
+from exgrpo_megatron.algo.protocol import GradedResponse, RLAlgorithm
 from exgrpo_megatron.components import Components, build_components
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import QuestionGroup, compose_step, local_groups
@@ -29,53 +29,76 @@ from exgrpo_megatron.experience.types import GroupOutcome
 from exgrpo_megatron.logging.startup import startup_block
 from exgrpo_megatron.policy.objective import rl_loss_fn
 from exgrpo_megatron.policy.old_logprobs import old_logprobs, replay_current_logprobs
-from exgrpo_megatron.policy.policy import updates_per_step
 from exgrpo_megatron.policy.scoring import make_scorer
 from exgrpo_megatron.policy.train_batch import TrainBatch, build_train_batch, micro_batches_for_update
 from exgrpo_megatron.reward.rollout_rewards import StreamingGrading, rewards_per_group
+from exgrpo_megatron.rollout.group_filter import StepRollouts, filter_and_refill
 from exgrpo_megatron.rollout.groups import generate_groups
-from exgrpo_megatron.rollout.types import Sample, SamplingParams
+from exgrpo_megatron.rollout.types import Sample
 from exgrpo_megatron.run_state import RunState
-from exgrpo_megatron.step_metrics import StepTotals, pop_mismatch, rollout_mismatch
+from exgrpo_megatron.step_metrics import StepTimer, StepTotals, consecutive_skips_after, pop_mismatch, rollout_mismatch
 
 
 def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**31)
 
 
+def rollout_seed(seed: int, step: int, refill_round: int) -> int:
+    """The sampling seed of a step's generation round (round 0: the step's seed; refill rounds their own)."""
+    return step_seed(seed, step) if refill_round == 0 else step_seed(seed * 7919 + refill_round, step)
+
+
 def train_step(c: Components, state: RunState, step: int) -> dict[str, float | str]:
+    """plan -> generate -> grade -> [filter + refill] -> batch -> pi_old -> update -> pool + schedule -> metrics."""
     phase = c.schedule.phase
-    totals = StepTotals(c.dp_group)
-    t0 = time.perf_counter()
+    totals, timer = StepTotals(c.dp_group), StepTimer()
     groups = plan_step(c, step, phase)
     mine = local_groups(groups, c.layout.dp_rank, c.layout.dp_size)
-    samples, grading, t_refit = generate(c, mine, step)
-    t_gen = time.perf_counter()
+    samples, grading, refit_seconds = generate(c, mine, step)
+    timer.lap("generate")
     graded = grading.result()  # time/reward: the grading not overlapped with generation
-    rewards = rewards_per_group(graded.rewards, samples)
-    t_rew = time.perf_counter()
-    batch = build_train_batch(samples, rewards, c.algorithm.adv_std_normalize)
+    rollouts = StepRollouts.unfiltered(mine, samples, rewards_per_group(graded.rewards, samples))
+    timer.lap("reward")
+    if c.algorithm.filters_groups:
+        rollouts = refill_dropped_groups(c, rollouts, step)
+        timer.lap("refill")
+    batch = build_train_batch(rollouts.samples, rollouts.rewards, c.algorithm.advantages)
     totals.add_rollouts(batch, graded.n_worker_deaths)
-    forward_rows = set_old_logprobs(c, batch, mine, totals)
-    t_old = time.perf_counter()
-    state.consecutive_skips = update_policy(c, batch, len(mine), phase, totals, state.consecutive_skips)
-    t_train = time.perf_counter()
-    collect_into_pool(c, mine, samples, rewards, step)
-    c.schedule.end_step(solved_fraction(batch.rewards, c.dp_group), step)
-    t_end = time.perf_counter()
+    forward_rows = set_old_logprobs(c, batch, rollouts.groups)
+    totals.add_mismatch(*recomputed_mismatch(c, batch))
+    timer.lap("old_logprobs")
+    skipped = update_policy(c, batch, len(rollouts.groups), phase, totals)
+    state.consecutive_skips = consecutive_skips_after(state.consecutive_skips, skipped)
+    timer.lap("update")
+    collect_into_pool(c, rollouts, step)
+    all_rewards = [x for group_rewards in rollouts.graded_rewards for x in group_rewards]
+    c.schedule.end_step(solved_fraction(all_rewards, c.dp_group), step)
+    timer.lap("pool")
     out: dict[str, float | str] = dict(totals.finish(c.algorithm.step_metrics))
     out.update({
         "phase": "warmup" if phase is Phase.WARMUP else "mixed",
         "experience/n_replayed": float(sum(g.replay is not None for g in groups)),
-        "time/generate": t_gen - t0, "time/reward": t_rew - t_gen, "time/train": t_train - t_rew,
-        "time/step": t_end - t0, "reward/grader_timeouts": float(graded.n_timeouts_killed),
-        "time/old_logprobs": t_old - t_rew, "time/refit": t_refit,
+        "reward/grader_timeouts": float(graded.n_timeouts_killed),
         "old_logprobs/forward_rows": float(totals.all_reduce_dp(torch.tensor([float(forward_rows)]))[0]),
         "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
     })
-    out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(t_end - t0, 1e-9)
+    out.update(step_times(timer, refit_seconds))
+    out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(timer.total(), 1e-9)
+    if c.algorithm.filters_groups:
+        out.update({"filter/dropped_groups": float(rollouts.dropped), "filter/refill_rounds": float(rollouts.rounds)})
     if c.pool is not None:
         out.update(c.pool.stats())
+    return out
+
+
+def step_times(timer: StepTimer, refit_seconds: float) -> dict[str, float]:
+    """time/*: generate (refit included), reward (grading not overlapped with generation), refill (filtering
+    algorithms), old_logprobs, train (old_logprobs + the updates), step."""
+    t = timer.seconds
+    out = {"time/generate": t["generate"], "time/reward": t["reward"], "time/old_logprobs": t["old_logprobs"],
+           "time/train": t["old_logprobs"] + t["update"], "time/step": timer.total(), "time/refit": refit_seconds}
+    if "refill" in t:
+        out["time/refill"] = t["refill"]
     return out
 
 
@@ -83,88 +106,102 @@ def plan_step(c: Components, step: int, phase: Phase) -> list[QuestionGroup]:
     """The step's global batch of question groups (identical on every rank): fresh prompts and, in the mixed
     phase, replayed questions whose trajectory the pool chose with the current policy's scores (the selection
     pass keeps the replays' pi_old at the loss temperature when pi_old comes from the rollout)."""
-    cfg, t = c.cfg, c.cfg.trainer
+    s = c.settings
     reuse = c.old_logprobs == "rollout"
-    scorer = make_scorer(c.policy, t.micro_batch_max_tokens, c.train_data,
-                         logprob_temperature=cfg.rollout.temperature if reuse else None)
+    scorer = make_scorer(c.policy, s.micro_batch_max_tokens, c.train_data,
+                         logprob_temperature=s.sampling.temperature if reuse else None)
     ratio = c.algorithm.experience.ratio if c.algorithm.experience is not None else 0.0
     return compose_step(c.train_data, c.sampler, c.pool, replay_on=phase is Phase.MIXED,
-                        batch_size=t.train_batch_size, experience_ratio=ratio, step_seed=step_seed(cfg.seed, step),
+                        batch_size=s.batch_size, experience_ratio=ratio, step_seed=step_seed(s.seed, step),
                         scorer=scorer)
 
 
-def generate(c: Components, mine: list[QuestionGroup], step: int) -> tuple[list[list[Sample]], StreamingGrading, float]:
+def generate(c: Components, mine: list[QuestionGroup], step: int, refill_round: int = 0
+             ) -> tuple[list[list[Sample]], StreamingGrading, float]:
     """K samples per fresh question, K-1 + the stored trajectory per replayed one; each engine batch's groups go to
     the grader pool as soon as they are done (graded while the next one generates). Returns the samples, the
     grading under way and the seconds the engine spent refitting its weights (vLLM; part of time/generate)."""
-    cfg, r = c.cfg, c.cfg.rollout
-    params = SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=r.temperature, top_p=r.top_p,
-                            top_k=r.top_k, stop_strings=list(r.stop), seed=step_seed(cfg.seed, step))
-    grading = StreamingGrading(c.grader, c.tokenizer, mine, cfg.reward.require_think)
+    s = c.settings
+    params = replace(s.sampling, seed=rollout_seed(s.seed, step, refill_round))
+    grading = StreamingGrading(c.grader, c.tokenizer, mine, s.require_think)
     refit_before = float(getattr(c.engine, "refit_seconds_total", 0.0))  # vLLM: refits before generating if stale
     c.engine.wake()
-    samples = generate_groups(c.engine, mine, r.n, params, on_chunk=grading.submit)
+    samples = generate_groups(c.engine, mine, s.group_size, params, on_chunk=grading.submit)
     c.engine.sleep()
     return samples, grading, float(getattr(c.engine, "refit_seconds_total", 0.0)) - refit_before
 
 
-def set_old_logprobs(c: Components, batch: TrainBatch, mine: list[QuestionGroup], totals: StepTotals) -> int:
+def refill_dropped_groups(c: Components, first: StepRollouts, step: int) -> StepRollouts:
+    """The algorithm's group filter over the graded groups, the batch refilled with fresh groups for at most
+    `algo.max_refill_rounds` extra rounds (rollout/group_filter.py: the same decision on every DP rank)."""
+    def generate_round(groups: list[QuestionGroup], refill_round: int) -> tuple[list[list[Sample]], list[list[float]]]:
+        samples, grading, _ = generate(c, groups, step, refill_round)
+        return samples, rewards_per_group(grading.result().rewards, samples)
+
+    def draw_fresh(n: int) -> list[QuestionGroup]:
+        return compose_step(c.train_data, c.sampler, c.pool, replay_on=False, batch_size=n, experience_ratio=0.0,
+                            step_seed=step_seed(c.settings.seed, step), scorer=None)
+
+    return filter_and_refill(c.algorithm.keep_group, first, generate_round=generate_round, draw_fresh=draw_fresh,
+                             max_rounds=c.settings.max_refill_rounds, dp_group=c.dp_group,
+                             dp_rank=c.layout.dp_rank, dp_size=c.layout.dp_size)
+
+
+def set_old_logprobs(c: Components, batch: TrainBatch, mine: list[QuestionGroup]) -> int:
     """pi_old of every row (algo.old_logprobs: recomputed, or the rollout's exact ones + the selection pass's for
-    replays) into `batch.old_logprobs`; returns the rows that needed a forward pass here. Mismatch: against the
-    recompute, else measured on the first update's forward (same weights)."""
+    replays) into `batch.old_logprobs`; returns the rows that needed a forward pass here."""
     batch.old_logprobs, forward_rows = old_logprobs(
         c.policy, batch, replay_current_logprobs(mine, batch), c.old_logprobs,
-        temperature=c.cfg.rollout.temperature, max_tokens=c.cfg.trainer.micro_batch_max_tokens)
-    if c.old_logprobs != "rollout":
-        totals.add_mismatch(*rollout_mismatch(batch))
+        temperature=c.settings.sampling.temperature, max_tokens=c.settings.micro_batch_max_tokens)
     return forward_rows
 
 
-def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase, totals: StepTotals,
-                  consecutive_skips: int) -> int:
+def recomputed_mismatch(c: Components, batch: TrainBatch) -> tuple[float, float]:
+    """(sum, count) of the engine-vs-trainer mismatch against a recomputed pi_old; (0, 0) when pi_old came from
+    the rollout (then the first update's forward measures it, `update_policy`)."""
+    return rollout_mismatch(batch) if c.old_logprobs != "rollout" else (0.0, 0.0)
+
+
+def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase, totals: StepTotals) -> list[bool]:
     """The step's mini-batch updates (the paper: 2 per step), each over its share of the groups with normalisers
-    from its DP-global token and sequence counts. Returns the updated count of consecutive skipped updates."""
-    cfg, t = c.cfg, c.cfg.trainer
+    from its DP-global token and sequence counts. Returns which updates were skipped, in order."""
+    s = c.settings
     c.policy.train()
-    for u, chunk in enumerate(np.array_split(np.arange(n_groups), updates_per_step(cfg.trainer))):
+    skipped = []
+    for u, chunk in enumerate(np.array_split(np.arange(n_groups), s.updates_per_step)):
         rows = batch.rows_of_groups(set(chunk.tolist()))
         counts = global_loss_counts([batch.response_lengths[i] for i in rows], c.dp_group)
-        mbs = micro_batches_for_update(batch, rows, t.micro_batch_max_tokens, packed=t.sequence_packing,
+        mbs = micro_batches_for_update(batch, rows, s.micro_batch_max_tokens, packed=s.sequence_packing,
                                        measure_mismatch=c.old_logprobs == "rollout" and u == 0)
         loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=c.algorithm.normalisers(*counts),
-                             temperature=cfg.rollout.temperature, vocab_size=cfg.model.vocab_size)
+                             temperature=s.sampling.temperature, vocab_size=s.vocab_size)
         c.policy.zero_grad()
         metrics = c.policy.forward_backward(mbs, loss_fn) if mbs else []
         totals.add_mismatch(*pop_mismatch(metrics))
         totals.add_loss_metrics(metrics, c.algorithm.metric_reduce_op)
-        update = c.policy.optimizer_step(cfg.algo.skip_grad_bound)
+        update = c.policy.optimizer_step(s.skip_grad_bound)
         totals.add_update(update)
-        consecutive_skips = consecutive_skips + 1 if update.skipped else 0
-    return consecutive_skips
+        skipped.append(update.skipped)
+    return skipped
 
 
-def collect_into_pool(c: Components, mine: list[QuestionGroup], samples: list[list[Sample]],
-                      rewards: list[list[float]], step: int) -> None:
-    """What the pool learns from this step's groups (nothing without a pool)."""
+def collect_into_pool(c: Components, rollouts: StepRollouts, step: int) -> None:
+    """What the pool learns from every group graded this step, trained on or not (nothing without a pool)."""
     if c.pool is not None:
-        c.pool.update(group_outcomes(mine, samples, rewards, step, collect=c.schedule.collects))
+        c.pool.update(pool_outcomes(c.algorithm, rollouts, step, collect=c.schedule.collects))
 
 
-def group_outcomes(groups: Sequence[QuestionGroup], samples: list[list[Sample]], rewards: list[list[float]],
-                   step: int, collect: bool) -> list[GroupOutcome]:
-    """What the pool learns from each group: k correct of K; correct trajectories only once the schedule
-    collects (the original collects nothing during warm-up), retirement (k == K) always."""
+def pool_outcomes(algorithm: RLAlgorithm, rollouts: StepRollouts, step: int, collect: bool) -> list[GroupOutcome]:
+    """The algorithm's pool hook on each graded group."""
     out = []
-    for g, group_samples, r in zip(groups, samples, rewards, strict=True):
-        k = int(sum(x == 1.0 for x in r))
-        K = len(group_samples)
-        if not collect and k != K:
-            continue
-        correct = [s for s, x in zip(group_samples, r, strict=True) if x == 1.0] if collect else []
-        out.append(GroupOutcome(
-            qid=g.qid, k_correct=k, group_size=K, step=step,
-            correct_token_ids=[np.asarray(s.response_ids, dtype=np.int32) for s in correct],
-            correct_logprobs=[np.asarray(s.logprobs, dtype=np.float32) for s in correct]))
+    for g, samples, rewards in zip(rollouts.graded_groups, rollouts.graded_samples, rollouts.graded_rewards,
+                                   strict=True):
+        responses = [GradedResponse(np.asarray(s.response_ids, dtype=np.int32),
+                                    np.asarray(s.logprobs, dtype=np.float32), x)
+                     for s, x in zip(samples, rewards, strict=True)]
+        outcome = algorithm.pool_outcome(g.qid, responses, step, collect)
+        if outcome is not None:
+            out.append(outcome)
     return out
 
 

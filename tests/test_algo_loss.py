@@ -206,8 +206,8 @@ def test_select_behaviour_logprobs():
     old, rec = torch.zeros(2, 3), torch.full((2, 3), -1.0)
     replay = torch.tensor([True, False])
     expected = torch.tensor([[-1.0, -1.0, -1.0], [0.0, 0.0, 0.0]])
-    torch.testing.assert_close(select_behaviour_logprobs(old, rec, replay, exp_is_correct=True), expected)
-    torch.testing.assert_close(select_behaviour_logprobs(old, rec, replay, exp_is_correct=False), old)
+    torch.testing.assert_close(select_behaviour_logprobs(old, rec, replay, replay_is_correction=True), expected)
+    torch.testing.assert_close(select_behaviour_logprobs(old, rec, replay, replay_is_correction=False), old)
 
 
 def test_token_mult_prob_error():

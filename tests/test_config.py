@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,7 @@ def test_overrides_apply_and_defaults_follow_the_paper():
     assert cfg.trainer.experience_ratio == 0.25
     assert cfg.parallel.tensor_model_parallel_size == 4
     assert (cfg.rollout.n, cfg.optim.lr, cfg.algo.shaping_beta, cfg.algo.entropy_coeff) == (8, 1e-6, 0.1, 0.001)
-    assert (cfg.trainer.experience_start_sratio, cfg.trainer.experience_rbound, cfg.trainer.total_steps) == (
+    assert (cfg.trainer.delayed_start_pass_rate, cfg.trainer.experience_rbound, cfg.trainer.total_steps) == (
         0.35, 7, 701)
     validate(cfg, 8, check_paths=False)  # the preset's model and data are not on this machine
 
@@ -43,7 +44,6 @@ def test_overrides_apply_and_defaults_follow_the_paper():
         (["rollout.engine=sglang"], "rollout.engine"),
         (["algo.loss_agg_mode=seq_mean"], "algo.loss_agg_mode"),
         (["trainer.experience_rbound=8"], "trainer.experience_rbound"),
-        (["algo.name=ppo"], "algo.name"),
         (["++parallel.pipeline_model_parallel_size=1", "++parallel.virtual_pipeline_model_parallel_size=2"],
          "parallel.virtual_pipeline_model_parallel_size"),
     ],
@@ -72,3 +72,26 @@ def test_transformer_engine_is_absent_on_cpu():
     from exgrpo_megatron.model.builder import resolve_layer_spec
 
     assert resolve_layer_spec(load_config("demo_cpu").model) == "local"
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("algo.exp_is_correct", "algo.replay_is_correction", False),
+    ("trainer.experience_start_sratio", "trainer.delayed_start_pass_rate", 0.125),
+])
+def test_a_renamed_key_is_accepted_under_its_old_name_with_a_notice(old, new, value, capsys):
+    literal = str(value).lower() if isinstance(value, bool) else str(value)
+    cfg = load_config("demo_cpu", [f"{old}={literal}"])
+    group, leaf = new.split(".")
+    assert getattr(getattr(cfg, group), leaf) == value
+    assert f"{old} is now {new}" in capsys.readouterr().err
+
+
+def test_a_renamed_key_in_a_config_file_is_accepted(tmp_path, capsys):
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "conf", conf)
+    text = (conf / "demo_cpu.yaml").read_text().replace("trainer:\n", "trainer:\n  experience_start_sratio: 0.2\n", 1)
+    (conf / "demo_cpu.yaml").write_text(text)
+    assert load_config("demo_cpu", [], config_dir=conf).trainer.delayed_start_pass_rate == 0.2
+    assert "trainer.experience_start_sratio is now trainer.delayed_start_pass_rate" in capsys.readouterr().err

@@ -1,25 +1,34 @@
-"""Issue 15, item 6: each piece of the replay path re-checked against shared/docs/exgrpo_algorithm.md on the code
-the trainer runs (trainer.group_outcomes, policy.train_batch.build_train_batch, data.step_plan.compose_step,
-the pool): what is stored and when, which log-probs a replayed row carries, the sign and size of its advantage,
-and how fast solved questions leave the fresh stream."""
+"""Issue 15, item 6: each piece of the replay path re-checked against the paper and the original code, on the code
+the trainer runs (ExGRPO's pool hook through trainer.pool_outcomes, policy.train_batch.build_train_batch with its
+advantages, data.step_plan.compose_step, the pool): what is stored and when, which log-probs a replayed row
+carries, the sign and size of its advantage, and how fast solved questions leave the fresh stream."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from exgrpo_megatron.algo.variants.exgrpo import ExGRPO
+from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
 from exgrpo_megatron.data.sampler import PromptSampler
 from exgrpo_megatron.data.step_plan import QuestionGroup, compose_step
 from exgrpo_megatron.data.synthetic import build_arithmetic_prompt_dataset
 from exgrpo_megatron.data.tokenizer import load_tokenizer
 from exgrpo_megatron.experience import ShardedExperiencePool, Trajectory
 from exgrpo_megatron.policy.train_batch import build_train_batch
+from exgrpo_megatron.rollout.group_filter import StepRollouts
 from exgrpo_megatron.rollout.splice import splice_replay
 from exgrpo_megatron.rollout.types import Sample
-from exgrpo_megatron.trainer import group_outcomes
+from exgrpo_megatron.trainer import pool_outcomes
 
 K = 8
 PROMPT = [5, 6, 7]
+EXGRPO = ExGRPO.from_config("exgrpo", AlgoConfig(), TrainerConfig(), max_response_length=16)
+
+
+def group_outcomes(groups, samples, rewards, step: int, collect: bool):
+    """What the trainer hands the pool for these graded groups (ExGRPO's pool hook)."""
+    return pool_outcomes(EXGRPO, StepRollouts.unfiltered(list(groups), samples, rewards), step, collect)
 
 
 def fresh(i: int, logprob: float = -0.25) -> Sample:
@@ -51,7 +60,7 @@ def test_replayed_row_keeps_recorded_logprobs_and_gets_one_minus_k_over_k(k_fres
     """§2: the replay is the K-th member, k counts it, A(o*) = 1 - k/K >= 0 (Dr.GRPO, no std), and its row carries
     the log-probs recorded at collection (pi_past), not this step's."""
     group, samples, rewards, stored = replay_group(k_fresh)
-    batch = build_train_batch([samples], [rewards], std_normalize=False)
+    batch = build_train_batch([samples], [rewards], EXGRPO.advantages)
     k = k_fresh + 1
     assert batch.is_replay == [False] * (K - 1) + [True]
     assert batch.advantages[-1] == pytest.approx(1 - k / K)

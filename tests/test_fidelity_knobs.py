@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from exgrpo_megatron.algo.algorithm import build_algorithm
 from exgrpo_megatron.algo.loss import exgrpo_loss, select_behaviour_logprobs
+from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.components import build_pool
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import config_errors
@@ -123,9 +123,9 @@ def test_is_correction_switch_picks_recorded_or_current_old_logprobs():
     old = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]])
     recorded = torch.tensor([[-3.0, -4.0], [-3.5, -2.5]])
     replay = torch.tensor([True, False])
-    on = select_behaviour_logprobs(old, recorded, replay, exp_is_correct=True)
+    on = select_behaviour_logprobs(old, recorded, replay, replay_is_correction=True)
     torch.testing.assert_close(on, torch.tensor([[-3.0, -4.0], [-1.5, -0.5]]))
-    torch.testing.assert_close(select_behaviour_logprobs(old, recorded, replay, exp_is_correct=False), old)
+    torch.testing.assert_close(select_behaviour_logprobs(old, recorded, replay, replay_is_correction=False), old)
 
 
 @pytest.mark.parametrize("rho,expected", [(0.25, 16), (0.5, 32), (0.75, 48)])
@@ -167,7 +167,7 @@ def test_paper_ratio_preset_mirrors_the_paper_ratios():
     exgrpo_epochs = t.total_steps * t.train_batch_size * (1 - t.experience_ratio) / d.num_train_examples
     assert 1.8 <= grpo_epochs <= 2.2 and 0.9 <= exgrpo_epochs <= 1.1
     assert t.train_batch_size // t.ppo_mini_batch_size == 2 and cfg.rollout.n == 8
-    assert t.experience_start_sratio == 0.35 and cfg.model.params_dtype == "fp32"
+    assert t.delayed_start_pass_rate == 0.35 and cfg.model.params_dtype == "fp32"
     assert cfg.algo.entropy_microbatches_ref == 4 and cfg.algo.loss_seqs_per_rank_ref == 64
 
 

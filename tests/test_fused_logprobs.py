@@ -131,7 +131,7 @@ def test_tp2_matches_tp1_and_reference():
 def _policy_run(model_name: str, tp: int) -> dict:
     """One policy; the same micro-batches through token_stats (old log-probs / scoring) and the ExGRPO loss with
     the fused output layer on and off. Returns per mode the stats, the loss and every parameter's gradient."""
-    from exgrpo_megatron.algo.algorithm import build_algorithm
+    from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.distributed.runtime import init_distributed
     from exgrpo_megatron.experience.schedule import Phase

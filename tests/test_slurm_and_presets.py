@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.dry_run import count_parameters, dry_run_report, estimate_memory
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import validate
@@ -299,7 +300,8 @@ def test_every_preset_resolves_and_validates(preset: str) -> None:
     world = 1 if preset.endswith("_cpu") else 8  # the CPU presets run on one process
     cfg = load_config(preset, overrides)
     validate(cfg, world, check_paths=False)  # the presets' models and data are not on this machine
-    report = dry_run_report(cfg, world)
+    algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    report = dry_run_report(cfg, world, replays=algorithm.experience is not None)
     assert "WARNING" not in report, report
 
 
@@ -309,14 +311,14 @@ def test_presets_follow_the_recipe() -> None:
     assert (t.train_batch_size, r.n, r.temperature, c7.data.max_prompt_length, c7.data.max_response_length) == \
         (128, 8, 1.0, 1024, 8192)
     assert (c7.optim.lr, c7.optim.lr_schedule, t.train_batch_size // t.ppo_mini_batch_size) == (1e-6, "constant", 2)
-    assert (a.entropy_coeff, a.shaping_beta, a.exp_is_correct) == (0.001, 0.1, True)
-    assert (t.experience_ratio, t.experience_start_sratio, t.experience_lbound, t.experience_rbound,
+    assert (a.entropy_coeff, a.shaping_beta, a.replay_is_correction) == (0.001, 0.1, True)
+    assert (t.experience_ratio, t.delayed_start_pass_rate, t.experience_lbound, t.experience_rbound,
             t.exp_bucket_sigma, t.total_steps, c7.checkpoint.save_every, t.val_every) == \
         (0.5, 0.35, 0, 7, 1.0, 701, 50, 10)
     for preset in ("exgrpo_1_5b", "exgrpo_qwen7b_instruct", "exgrpo_llama8b", "exgrpo_llama8b_instruct"):
         assert load_config(preset).trainer.total_steps == 500
     base = load_config("exgrpo_llama8b")
-    assert base.trainer.experience_start_sratio <= 0 and base.data.template == "llama_base"
+    assert base.trainer.delayed_start_pass_rate <= 0 and base.data.template == "llama_base"
     assert base.reward.require_think is False and base.model.family == "llama"
     assert load_config("exgrpo_qwen7b_instruct").data.template == "chat"
     assert load_config("exgrpo_llama8b_instruct").data.template == "chat"

@@ -336,8 +336,8 @@ def _train_recording_loss_phase(overrides: list[str]) -> dict:
 
 def test_on_policy_grpo_keeps_the_warmup_clip(tmp_path, sft_dir):
     """algo.name=grpo is on-policy GRPO: no pool and no mixed phase, so every update keeps the PPO clip,
-    even with the delayed-start criterion met from step 1 (start_sratio=0 in _overrides). Four updates per step,
-    so the clip has three chances per step to meet a group with a non-zero advantage after the policy moved."""
+    even with the delayed-start criterion met from step 1 (delayed_start_pass_rate=0 in _overrides). Four updates per
+    step, so the clip has three chances per step to meet a group with a non-zero advantage after the policy moved."""
     got = run_on_ranks(_train_recording_loss_phase, 1, args=(_replay_overrides(
         str(tmp_path / "grpo"), sft_dir, ("algo.name=grpo", "trainer.total_steps=2", "optim.lr=1e-2",
                                           "optim.adam_eps=1e-8", "trainer.ppo_mini_batch_size=4")),))[0]

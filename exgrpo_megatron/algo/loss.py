@@ -52,9 +52,9 @@ micro-batches = 4. Our bonus is then the original's at its layout, whatever our 
 (`tests/test_loss_scale.py`). M_ref = 1 is the original at one micro-batch per rank (its configured gradient
 accumulation), which is what this code did before the constant existed.
 
-Behaviour log-probs for replayed tokens (`select_behaviour_logprobs`): with `exp_is_correct=True` they are the
+Behaviour log-probs for replayed tokens (`select_behaviour_logprobs`): with `replay_is_correction=True` they are the
 log-probs recorded when the trajectory was collected (pi_past), so w is a true per-token importance ratio; with
-`exp_is_correct=False` they are this step's old log-probs (pi_theta_old), so w = 1 on the first mini-batch and f
+`replay_is_correction=False` they are this step's old log-probs (pi_theta_old), so w = 1 on the first mini-batch and f
 only shapes the ratio (paper Tab. 6, "w/o IS correction").
 """
 
@@ -116,11 +116,11 @@ def global_loss_counts(response_lengths: Sequence[int], dp_group: dist.ProcessGr
 
 
 def select_behaviour_logprobs(
-    old_logprobs: Tensor, recorded_logprobs: Tensor, replay_mask: Tensor, exp_is_correct: bool
+    old_logprobs: Tensor, recorded_logprobs: Tensor, replay_mask: Tensor, replay_is_correction: bool
 ) -> Tensor:
     """Behaviour log-probs for the replay ratio w: the recorded pi_past on replayed tokens when
-    `exp_is_correct`, else this step's pi_theta_old everywhere (algorithm reference §3)."""
-    if not exp_is_correct:
+    `replay_is_correction`, else this step's pi_theta_old everywhere (algorithm reference §3)."""
+    if not replay_is_correction:
         return old_logprobs
     return torch.where(_per_token(replay_mask, old_logprobs).bool(), recorded_logprobs, old_logprobs)
 

@@ -95,12 +95,13 @@ DOMAINS: dict[str, Domain] = {
     "algo.skip_grad_bound": Domain(lo=0, lo_open=True, inf_ok=True),  # inf = never skip
     "algo.max_consecutive_skips": AT_LEAST_1, "algo.loss_seqs_per_rank_ref": POSITIVE,
     "algo.entropy_microbatches_ref": POSITIVE,
+    "algo.max_refill_rounds": NON_NEGATIVE,  # 0 = a dropped group is not replaced
     # trainer
     "trainer.total_steps": AT_LEAST_1, "trainer.train_batch_size": AT_LEAST_1,
     "trainer.ppo_mini_batch_size": AT_LEAST_1, "trainer.micro_batch_max_tokens": AT_LEAST_1,
     "trainer.train_threads": NON_NEGATIVE,  # 0 = this rank's share of the node's cores
     "trainer.experience_ratio": Domain(lo=0, hi=1, hi_open=True),
-    "trainer.experience_start_sratio": Domain(hi=1),  # <= 0: mixed mode from step 1
+    "trainer.delayed_start_pass_rate": Domain(hi=1),  # <= 0: mixed mode from step 1
     "trainer.experience_lbound": NON_NEGATIVE, "trainer.experience_rbound": NON_NEGATIVE,
     "trainer.exp_bucket_mu": ANY_FINITE, "trainer.exp_bucket_sigma": POSITIVE,
     "trainer.exp_max_trajectories_per_question": NON_NEGATIVE,  # 0 = no cap

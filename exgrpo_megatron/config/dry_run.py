@@ -2,7 +2,7 @@
 
     python -m exgrpo_megatron.train --config-name exgrpo_7b --dry-run --world-size 16
 
-`dry_run_report(cfg, world_size)` returns the parallel layout, the parameter count, per-GPU memory
+`dry_run_report(cfg, world_size, replays)` returns the parallel layout, the parameter count, per-GPU memory
 estimates and the per-step work. The memory model (bytes per parameter follow Megatron-LM's
 distributed-optimizer table, docs/source/api-guide/dist_optimizer.md; activations follow Korthikanti
 et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", adapted to SwiGLU + GQA
@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from exgrpo_megatron.config.derived import padded_vocab_size
-from exgrpo_megatron.config.schema import ALGORITHMS, ModelConfig, RootConfig
+from exgrpo_megatron.config.schema import ModelConfig, RootConfig
 
 GIB = 1024**3
 GPU_MEMORY_GIB = 80.0  # one H100 80GB (the paper's hardware)
@@ -272,7 +272,7 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
     return lines, warnings
 
 
-def _step_lines(cfg: RootConfig, world_size: int) -> list[str]:
+def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
     t, r, d, p = cfg.trainer, cfg.rollout, cfg.data, cfg.parallel
     dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
     seq_len = d.max_prompt_length + d.max_response_length
@@ -290,20 +290,21 @@ def _step_lines(cfg: RootConfig, world_size: int) -> list[str]:
         f" per update and DP rank {seqs_per_update_rank} sequences in >= "
         f"{math.ceil(seqs_per_update_rank / seqs_per_micro)} micro-batch(es) of <= {t.micro_batch_max_tokens} tokens",
     ]
-    if ALGORITHMS.get(cfg.algo.name, False):
+    if replays:
         n_exp = int(t.train_batch_size * t.experience_ratio)
-        start = (f"once batch pass rate > {t.experience_start_sratio}" if t.experience_start_sratio > 0
+        start = (f"once batch pass rate > {t.delayed_start_pass_rate}" if t.delayed_start_pass_rate > 0
                  else "from step 1 (delayed start disabled)")
         lines.append(f"  experience replay: mixed phase {start}: up to {n_exp} replayed + "
                      f"{t.train_batch_size - n_exp} fresh prompts (rho={t.experience_ratio}; "
                      f"replayable iff {t.experience_lbound} < correct <= {t.experience_rbound} of {r.n})")
     else:
-        lines.append("  experience replay: off (on-policy GRPO)")
+        lines.append(f"  experience replay: off (on-policy {cfg.algo.name})")
     return lines
 
 
-def dry_run_report(cfg: RootConfig, world_size: int) -> str:
-    """The plan of a validated config at `world_size` GPUs (the caller has already run `validate`)."""
+def dry_run_report(cfg: RootConfig, world_size: int, replays: bool) -> str:
+    """The plan of a validated config at `world_size` GPUs (the caller has already run `validate`); `replays`:
+    the algorithm has an experience pool (the caller builds the algorithm: config/ does not import algo/)."""
     memory, warnings = _memory_lines(cfg, world_size)
     sections = [
         [f"dry run: {cfg.model.name}, rollout engine {cfg.rollout.engine}, template {cfg.data.template}, "
@@ -311,7 +312,7 @@ def dry_run_report(cfg: RootConfig, world_size: int) -> str:
         _layout_lines(cfg, world_size),
         _model_lines(cfg),
         memory,
-        _step_lines(cfg, world_size),
+        _step_lines(cfg, world_size, replays),
         warnings or ["memory: every estimate fits in one GPU"],
     ]
     return "\n".join(line for section in sections for line in section)

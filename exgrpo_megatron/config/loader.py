@@ -4,7 +4,8 @@
 
 Hydra's override grammar applies (`key=value`, `+new=value`, `++key=value`, `~key`). The composed
 YAML is merged into the typed `RootConfig`: an unknown key or a value of the wrong type fails here
-with the full key; `validate()` then checks the relations between keys.
+with the full key; `validate()` then checks the relations between keys. Renamed keys are accepted under their
+old names for one release (config/aliases.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from exgrpo_megatron.config.aliases import rename_composed, rename_overrides
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 
@@ -30,7 +32,8 @@ def compose(config_name: str, overrides: list[str] | None = None, config_dir: Pa
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+            composed = hydra_compose(config_name=config_name, overrides=rename_overrides(list(overrides or [])))
+            return rename_composed(composed)
     except (HydraException, OmegaConfBaseException) as exc:
         cause = exc.__cause__
         key = getattr(cause, "full_key", None) or getattr(exc, "full_key", None)

@@ -88,13 +88,13 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = "exgrpo"  # exgrpo | grpo (on-policy: no experience pool); ALGORITHMS below
+    name: str = "exgrpo"  # a registered variant (algo/variants/: exgrpo | grpo | ...) or package.module:Class
     adv_std_normalize: bool = False  # Dr.GRPO: no std division
     clip_ratio: float = 0.2  # PPO clip on fresh tokens during warm-up
     shaping_beta: float = 0.1  # f(w) = w / (w + beta) on replayed tokens
     entropy_coeff: float = 0.001
     loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean
-    exp_is_correct: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs
+    replay_is_correction: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs (was exp_is_correct)
     old_logprobs: str = "auto"  # auto | recompute | rollout (pi_old source, policy/old_logprobs.py)
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20
@@ -102,6 +102,7 @@ class AlgoConfig:
     entropy_microbatches_ref: float = 4.0  # entropy bonus x this: the original's dynamic micro-batches per rank
     policy_shaping: bool = True  # replay tokens: f(w) = w/(w+beta); false = plain IS ratio w ("w/o shaping")
     mixed_phase_clip: bool = False  # PPO clip on fresh tokens in the mixed phase too (paper §D.1: off)
+    max_refill_rounds: int = 3  # extra generation rounds refilling groups the algorithm's filter dropped
 
 
 @dataclass
@@ -114,7 +115,7 @@ class TrainerConfig:
     fused_output_logprobs: bool = True  # output layer fused into the chunked log-prob/entropy (no [T, V] logits)
     train_threads: int = 0  # policy forward/backward threads; 0 = cores // ranks on the node (distributed/threads.py)
     experience_ratio: float = 0.5  # rho
-    experience_start_sratio: float = 0.35  # delayed start; <= 0 means from step 1
+    delayed_start_pass_rate: float = 0.35  # delayed start; <= 0 means from step 1 (was experience_start_sratio)
     experience_lbound: int = 0
     experience_rbound: int = 7
     exp_metric: str = "ent"  # ent | ppl | random
@@ -190,10 +191,6 @@ class RootConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# The algorithm variants `algo.name` selects -> whether the experience pool is on (algo/algorithm.py builds the
-# object): exgrpo; grpo = on-policy Dr.GRPO, the same algorithm with experience off.
-ALGORITHMS: dict[str, bool] = {"exgrpo": True, "grpo": False}
-
 # The allowed values of the string keys with a fixed set of values (the defaults above are among them).
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.family": ("qwen2", "llama"),
@@ -203,7 +200,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.lr_schedule": ("constant", "cosine", "linear"),
     "rollout.engine": ("megatron", "vllm"),
     "rollout.vllm.dtype": ("auto", "fp32", "bf16", "fp16"),
-    "algo.name": tuple(ALGORITHMS),
     "algo.loss_agg_mode": ("token_sum_constant", "token_mean"),
     "algo.old_logprobs": ("auto", "recompute", "rollout"),
     "trainer.exp_metric": ("ent", "ppl", "random"),

@@ -1,7 +1,7 @@
 """Loss functions the megatron schedule calls on the last pipeline stage, per micro-batch.
 
 `token_stats_fn` (forward only): log-probs of the targets and token entropies, used for old
-log-probs, trajectory selection and the mismatch metric. `rl_loss_fn`: the algorithm's loss (algo/algorithm.py)
+log-probs, trajectory selection and the mismatch metric. `rl_loss_fn`: the algorithm's loss (algo/protocol.py)
 on the chunked vocab-parallel log-probs and entropy (`policy/output_layer.py`) and the micro-batch's typed
 `LossInputs`.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from exgrpo_megatron.algo.algorithm import Algorithm
+from exgrpo_megatron.algo.loss import mult_prob_error_sums
+from exgrpo_megatron.algo.protocol import RLAlgorithm
 from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.policy.batch import MicroBatch
 from exgrpo_megatron.policy.output_layer import LastStageOutput
@@ -37,7 +38,7 @@ def token_stats_fn(temperature: float, with_entropy: bool, vocab_size: int | Non
     return loss_fn
 
 
-def rl_loss_fn(algorithm: Algorithm, *, phase: Phase, normalisers: tuple[float, float], temperature: float,
+def rl_loss_fn(algorithm: RLAlgorithm, *, phase: Phase, normalisers: tuple[float, float], temperature: float,
                vocab_size: int | None = None) -> LossFn:
     """The algorithm's loss of one update's micro-batches (each carries `loss_inputs`) in `phase`, with the update's
     DP-global (pg, entropy) normalisers. With `LossInputs.measure_mismatch` the metrics also hold mismatch_sum /
@@ -49,8 +50,13 @@ def rl_loss_fn(algorithm: Algorithm, *, phase: Phase, normalisers: tuple[float, 
             raise ValueError("rl_loss_fn: the micro-batch has no loss inputs (micro_batches_for_update sets them)")
         logp, ent = output.logprobs_entropy(mb, vocab_size=vocab_size, temperature=temperature,
                                             with_entropy=True, entropy_grad=algorithm.entropy_coeff > 0)
-        return algorithm.loss(logp, ent, mb.loss_mask, old_logprobs=x.old_logprobs,
-                              generation_logprobs=x.generation_logprobs, advantages=x.advantages, replay=x.replay,
-                              phase=phase, normalisers=normalisers, measure_mismatch=x.measure_mismatch)
+        loss, metrics = algorithm.loss(logp, ent, mb.loss_mask, old_logprobs=x.old_logprobs,
+                                       generation_logprobs=x.generation_logprobs, advantages=x.advantages,
+                                       replay=x.replay, phase=phase, normalisers=normalisers)
+        if x.measure_mismatch:  # weights still pi_old's: exp(|logp_generation - logp|) over fresh tokens
+            fresh = mb.loss_mask.bool() & ~x.replay.bool()
+            total, count = mult_prob_error_sums(x.generation_logprobs, logp.detach(), fresh)
+            metrics = {**metrics, "mismatch_sum": total, "mismatch_count": count}
+        return loss, metrics
 
     return loss_fn

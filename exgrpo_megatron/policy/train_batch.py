@@ -9,13 +9,13 @@ into micro-batches whose `LossInputs` the loss reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
 import torch
 
-from exgrpo_megatron.algo.advantages import group_advantages
 from exgrpo_megatron.policy.batch import LossInputs, MicroBatch, make_micro_batches, scatter_rows
 from exgrpo_megatron.policy.objective import token_stats_fn
 from exgrpo_megatron.policy.policy import Policy
@@ -45,10 +45,12 @@ class TrainBatch:
         return [i for i, g in enumerate(self.group_index) if g in groups]
 
 
-def build_train_batch(groups: list[list[Sample]], rewards: list[list[float]], std_normalize: bool) -> TrainBatch:
+def build_train_batch(groups: list[list[Sample]], rewards: list[list[float]],
+                      advantages: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
+    """The rows of the graded groups; `advantages`: the algorithm's ([G, K] float64 rewards -> [G, K])."""
     seqs, plens, lps, rs, advs, replay, gidx = [], [], [], [], [], [], []
     for g, (samples, r) in enumerate(zip(groups, rewards, strict=True)):
-        a = group_advantages(torch.tensor([r], dtype=torch.float64), std_normalize=std_normalize)[0].tolist()
+        a = advantages(torch.tensor([r], dtype=torch.float64))[0].tolist()
         for s, ri, ai in zip(samples, r, a, strict=True):
             seqs.append(list(s.prompt_ids) + list(s.response_ids))
             plens.append(len(s.prompt_ids))

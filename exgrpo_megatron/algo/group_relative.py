@@ -1,0 +1,53 @@
+"""What the group-relative policy-gradient variants share (GRPO, ExGRPO and those built on them): group-mean
+advantages, keep-every-group, the loss normalisers and the declared step metrics. A variant overrides what it
+changes (algo/variants/)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from exgrpo_megatron.algo.advantages import group_advantages
+from exgrpo_megatron.algo.loss import loss_normalisers, metric_reduce_op, summarize_loss_metrics
+
+
+class GroupRelative:
+    """Mixin of the shared methods; the dataclass using it holds the fields named here."""
+
+    adv_std_normalize: bool
+    loss_agg_mode: str
+    loss_seqs_per_rank_ref: float
+    entropy_microbatches_ref: float
+    max_response_length: int
+    filters_groups = False
+
+    def advantages(self, rewards: Tensor) -> Tensor:
+        """A_i = r_i - mean_{j in G} r_j (Dr.GRPO), divided by the group std with `algo.adv_std_normalize`."""
+        return group_advantages(rewards, std_normalize=self.adv_std_normalize)
+
+    def keep_group(self, rewards: Sequence[float]) -> bool:
+        """Every group is trained on (no filter)."""
+        return True
+
+    def normalisers(self, num_tokens_global: float, num_seqs_global: float) -> tuple[float, float]:
+        return loss_normalisers(num_tokens_global, num_seqs_global, self.loss_agg_mode, self.max_response_length,
+                                self.loss_seqs_per_rank_ref, self.entropy_microbatches_ref)
+
+    def metric_reduce_op(self, key: str) -> str:
+        return metric_reduce_op(key)
+
+    def step_metrics(self, reduced: dict[str, float]) -> dict[str, float]:
+        """The declared metrics from the loss metrics reduced over the step (0.0 when no update ran a loss)."""
+        loss = summarize_loss_metrics(reduced) if "pg_loss" in reduced else {}
+        return {
+            "loss/policy": loss.get("pg_loss", 0.0),
+            "loss/entropy_bonus": loss.get("entropy_bonus", 0.0),
+            "entropy/mean": loss.get("entropy_mean", 0.0),
+            "replay/is_weight_mean": loss.get("replay_weight_mean", 0.0),
+            "replay/is_weight_max": loss.get("replay_weight_max", 0.0),
+            "replay/shaped_weight_mean": loss.get("replay_shaped_weight_mean", 0.0),
+            "replay/token_fraction": loss.get("replay_token_fraction", 0.0),
+            "loss/clip_fraction": loss.get("clip_fraction", 0.0),
+            "loss/approx_kl": loss.get("approx_kl", 0.0),
+        }

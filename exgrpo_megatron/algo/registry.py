@@ -1,0 +1,74 @@
+"""The algorithm variants by name: `algo.name` -> the class implementing `protocol.RLAlgorithm`.
+
+Built-in variants are the modules of algo/variants/, each registering its class with `@register("name")`;
+they are imported on first lookup, so a new variant is one new file there. `algo.name` may instead be a path
+"package.module:Class" to a class outside this package (it need not register itself).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from typing import TypeVar, cast
+
+from exgrpo_megatron.algo.protocol import RLAlgorithm
+from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
+from exgrpo_megatron.config.validate import ConfigError
+
+_REGISTRY: dict[str, type[RLAlgorithm]] = {}
+T = TypeVar("T", bound=type)
+
+
+def register(name: str) -> Callable[[T], T]:
+    """Class decorator: select the class with `algo.name=<name>`."""
+    def add(cls: T) -> T:
+        if _REGISTRY.get(name, cls) is not cls:
+            raise ValueError(f"algorithm name {name!r} is registered twice ({_REGISTRY[name].__name__}, "
+                             f"{cls.__name__})")
+        _REGISTRY[name] = cast(type[RLAlgorithm], cls)
+        return cls
+    return add
+
+
+def _import_builtin_variants() -> None:
+    from exgrpo_megatron.algo import variants
+
+    for module in pkgutil.iter_modules(variants.__path__):
+        importlib.import_module(f"{variants.__name__}.{module.name}")
+
+
+def registered_names() -> list[str]:
+    _import_builtin_variants()
+    return sorted(_REGISTRY)
+
+
+def algorithm_class(name: str) -> type[RLAlgorithm]:
+    """The class `algo.name` selects; ValueError with the reason when there is none."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load {name!r} ({type(exc).__name__}: {exc})") from None
+    else:
+        _import_builtin_variants()
+        if name not in _REGISTRY:
+            raise ValueError(f"expected one of {sorted(_REGISTRY)} or a path package.module:Class, got {name!r}")
+        cls = _REGISTRY[name]
+    if not isinstance(cls, type) or not hasattr(cls, "from_config"):
+        raise ValueError(f"{name!r} is not an algorithm class (no from_config; see algo/protocol.py)")
+    return cast(type[RLAlgorithm], cls)
+
+
+def build_algorithm(a: AlgoConfig, t: TrainerConfig, max_response_length: int) -> RLAlgorithm:
+    """The algorithm `algo.name` selects, built from the config values it reads; ConfigError naming algo.name
+    when it names none (the training CLI exits 2 before building anything else)."""
+    try:
+        cls = algorithm_class(a.name)
+    except ValueError as exc:
+        raise ConfigError([f"algo.name: {exc}"]) from None
+    algorithm = cls.from_config(a.name, a, t, max_response_length)
+    if not isinstance(algorithm, RLAlgorithm):
+        raise ConfigError([f"algo.name: {a.name!r} does not implement the RLAlgorithm protocol (algo/protocol.py)"])
+    return algorithm

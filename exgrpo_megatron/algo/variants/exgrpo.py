@@ -1,0 +1,94 @@
+"""`algo.name=exgrpo`: ExGRPO (arXiv 2510.02245) -- GRPO with an experience pool whose replayed trajectories
+train through policy shaping.
+
+It owns what the paper defines and ablates: the behaviour log-probs of the replay ratio (importance-sampling
+correction, `algo.replay_is_correction`), the loss of each phase (warm-up: PPO clip on fresh tokens; collecting /
+mixed: unclipped, replayed tokens shaped by f(w); `algo/loss.py`) and the pool's knobs (`ExperienceKnobs`:
+rho, the delayed start, question selection mu / sigma / bucket weights, the trajectory selection rule) and what
+the pool learns from a group (`pool_outcome`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from exgrpo_megatron.algo.group_relative import GroupRelative
+from exgrpo_megatron.algo.loss import exgrpo_loss, select_behaviour_logprobs
+from exgrpo_megatron.algo.protocol import ExperienceKnobs, GradedResponse
+from exgrpo_megatron.algo.registry import register
+from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
+from exgrpo_megatron.experience.schedule import Phase
+from exgrpo_megatron.experience.types import GroupOutcome
+
+
+def experience_knobs(t: TrainerConfig) -> ExperienceKnobs:
+    return ExperienceKnobs(
+        ratio=t.experience_ratio, delayed_start_pass_rate=t.delayed_start_pass_rate, lbound=t.experience_lbound,
+        rbound=t.experience_rbound, max_trajectories_per_question=t.exp_max_trajectories_per_question,
+        bucket_manager=t.exp_bucket_manager, bucket_mu=t.exp_bucket_mu, bucket_sigma=t.exp_bucket_sigma,
+        metric=t.exp_metric, select_mode=t.exp_select_mode)
+
+
+@register("exgrpo")
+@dataclass(frozen=True)
+class ExGRPO(GroupRelative):
+    name: str
+    experience: ExperienceKnobs
+    adv_std_normalize: bool
+    clip_ratio: float
+    shaping_beta: float
+    policy_shaping: bool
+    mixed_phase_clip: bool
+    replay_is_correction: bool
+    entropy_coeff: float
+    loss_agg_mode: str
+    loss_seqs_per_rank_ref: float
+    entropy_microbatches_ref: float
+    max_response_length: int
+
+    @classmethod
+    def from_config(cls, name: str, algo: AlgoConfig, trainer: TrainerConfig, max_response_length: int) -> ExGRPO:
+        a = algo
+        return cls(
+            name=name, experience=experience_knobs(trainer), adv_std_normalize=a.adv_std_normalize,
+            clip_ratio=a.clip_ratio, shaping_beta=a.shaping_beta, policy_shaping=a.policy_shaping,
+            mixed_phase_clip=a.mixed_phase_clip, replay_is_correction=a.replay_is_correction,
+            entropy_coeff=a.entropy_coeff,
+            loss_agg_mode=a.loss_agg_mode, loss_seqs_per_rank_ref=a.loss_seqs_per_rank_ref,
+            entropy_microbatches_ref=a.entropy_microbatches_ref, max_response_length=max_response_length)
+
+    def clips(self, phase: Phase) -> bool:
+        """PPO clip on fresh tokens: in warm-up only (paper §D.1: the mixed phase is unclipped), unless
+        `algo.mixed_phase_clip` keeps it in every phase."""
+        return phase is Phase.WARMUP or self.mixed_phase_clip
+
+    def behaviour_logprobs(self, old_logprobs: Tensor, recorded_logprobs: Tensor, replay: Tensor) -> Tensor:
+        """The replay ratio's denominator: recorded pi_past on replayed tokens with IS correction, else pi_old."""
+        return select_behaviour_logprobs(old_logprobs, recorded_logprobs, replay, self.replay_is_correction)
+
+    def loss(self, logprobs: Tensor, entropy: Tensor | None, response_mask: Tensor, *, old_logprobs: Tensor,
+             generation_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
+             normalisers: tuple[float, float]) -> tuple[Tensor, dict[str, Tensor]]:
+        """`loss.exgrpo_loss`; `generation_logprobs`: the engine's, on replayed rows the recorded behaviour
+        log-probs."""
+        behaviour = self.behaviour_logprobs(old_logprobs, generation_logprobs, replay)
+        return exgrpo_loss(
+            logprobs, old_logprobs, behaviour, advantages, response_mask, replay, entropy,
+            mixed_phase=not self.clips(phase), clip_ratio=self.clip_ratio, shaping_beta=self.shaping_beta,
+            policy_shaping=self.policy_shaping, entropy_coeff=self.entropy_coeff,
+            pg_normaliser=normalisers[0], entropy_normaliser=normalisers[1])
+
+    def pool_outcome(self, qid: int, responses: Sequence[GradedResponse], step: int,
+                     collect: bool) -> GroupOutcome | None:
+        """k correct of K; the correct trajectories only once the schedule collects (the original collects
+        nothing during warm-up), retirement (k == K) always."""
+        k = int(sum(r.reward == 1.0 for r in responses))
+        if not collect and k != len(responses):
+            return None
+        correct = [r for r in responses if r.reward == 1.0] if collect else []
+        return GroupOutcome(qid=qid, k_correct=k, group_size=len(responses), step=step,
+                            correct_token_ids=[r.token_ids for r in correct],
+                            correct_logprobs=[r.logprobs for r in correct])
