@@ -90,6 +90,15 @@ def test_resume_refuses_keys_that_change_the_saved_states_meaning_and_names_each
         validate(load_config("demo_cpu", ["checkpoint.allow_config_change=[optim.lr]"]), 1, check_paths=False)
 
 
+def test_a_checkpoint_config_under_renamed_keys_compares_as_the_new_names():
+    """A checkpoint written before a key was renamed (config/aliases.py) resumes with no change announced for it."""
+    cfg = load_config("demo_cpu", [])
+    old = to_yaml(cfg).replace("delayed_start_pass_rate:", "experience_start_sratio:").replace(
+        "replay_is_correction:", "exp_is_correct:")
+    assert "experience_start_sratio" in old and "exp_is_correct" in old
+    assert check_resume_config(old, cfg, "ckpt") == []
+
+
 def _flip(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01

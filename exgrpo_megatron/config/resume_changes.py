@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from exgrpo_megatron.config.aliases import RENAMED_KEYS
 from exgrpo_megatron.config.schema import RESUME_REFUSED as REFUSED
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
@@ -37,8 +38,9 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(saved_yaml: str, cfg: RootConfig) -> dict[str, tuple[Any, Any]]:
-    """{key: (checkpoint value, current value)} of every leaf that differs (a key on one side only included)."""
-    saved = flatten(yaml.safe_load(saved_yaml) or {})
+    """{key: (checkpoint value, current value)} of every leaf that differs (a key on one side only included). A
+    checkpoint written before a key was renamed has it under the old name (config/aliases.py): compared as the new."""
+    saved = {RENAMED_KEYS.get(k, k): v for k, v in flatten(yaml.safe_load(saved_yaml) or {}).items()}
     current = flatten(dataclasses.asdict(cfg))
     missing = object()
     out = {}
