@@ -76,7 +76,7 @@ DIAGNOSES: dict[str, list[str]] = {"exgrpo_mixed_clip": ["algo.mixed_phase_clip=
 PHASES = ("sweep", "final", "ablation", "weak_start", "stability", "diagnosis")
 PROTOCOLS: dict[str, dict] = {
     "paper_ratio": dict(config_name="paper_ratio_cpu", root="bench_paper_ratio", records="paper_ratio_runs",
-                        out="exgrpo_vs_grpo_paper_ratio", lrs=[2.5e-5, 5e-5, 1e-4, 2e-4], sweep_seeds=[1, 2],
+                        out="exgrpo_vs_grpo_paper_ratio", lrs=[1.25e-5, 2.5e-5, 5e-5, 1e-4], sweep_seeds=[1, 2],
                         phases=["sweep", "final", "ablation", "weak_start"]),
     "fidelity": dict(config_name="fidelity_cpu", root="bench_fidelity", records="fidelity_runs",
                      out="exgrpo_vs_grpo_fidelity", lrs=[2.5e-5, 5e-5, 1e-4], sweep_seeds=[1, 2, 3, 4, 5],
