@@ -2,6 +2,7 @@
 each rollout engine -> export to HF -> evaluate.
 
     nohup .venv/bin/python bench/real_model_e2e.py [--steps 20] [--arms megatron vllm] > runs/real_model_e2e.log 2>&1 &
+    .venv/bin/python bench/real_model_e2e.py --steps 5 --arms megatron --dtypes fp32 bf16   # precision side by side
 
 Pipeline (one process per stage, everything offline): `tools/smollm2_to_hf.py` (fp32 HF dir, cached) ->
 `convert_hf_to_megatron` (fp32, TP=1 layout) -> per arm `exgrpo_megatron.train --config-name
@@ -15,7 +16,11 @@ interrupted training run resumes from its newest checkpoint). Writes bench/resul
 per arm and step the time split (generate / refit / reward / train seconds; the vLLM refit happens inside
 generate and is also reported alone), rollout tokens/s (response tokens / generate seconds, generation
 concurrent with grading), the rollout/trainer log-prob ratio (mismatch/token_mult_prob_error), the reward
-curve, and the evaluation accuracy before/after; and real_model_e2e.png beside it.
+curve, and the evaluation accuracy before/after; with --dtypes each arm per model.params_dtype (arm
+`megatron_bf16`, ...). machine_peaks: the fp32/bf16 GEMM peaks and memory bandwidth measured at the start
+(bench/machine_peaks.py; 1 thread as generation runs, 2 as training); per arm the decode roofline of the
+rollout batch in its precision and the fraction of it the measured rollout tokens/s reached
+(`generation_roofline_fraction`). And real_model_e2e.png beside it.
 """
 
 from __future__ import annotations
