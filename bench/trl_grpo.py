@@ -45,7 +45,23 @@ def dataset():
                               for r in rows])
 
 
-def run_arm(precision: str, steps: int, out_dir: str) -> dict:
+def arm_record(precision: str, times: list[float], log_history: list[dict], complete: bool) -> dict:
+    """The arm's JSON: per-step wall seconds and rewards, their means (step 1 left out of the time mean)."""
+    rewards = [h["reward"] for h in log_history if "reward" in h]
+    measured = times[1:] or times
+    return {"precision": precision, "complete": complete, "step_s": times, "reward": rewards,
+            "mean_step_s": statistics.fmean(measured) if measured else None,
+            "mean_reward": statistics.fmean(rewards) if rewards else None}
+
+
+def write(result: dict) -> None:
+    result["load_average_end"] = os.getloadavg()
+    with open(RESULTS_JSON, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def run_arm(precision: str, steps: int, out_dir: str, result: dict) -> dict:
+    """Train one arm; after every step the partial arm is written (a slow box keeps what finished)."""
     import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -59,6 +75,10 @@ def run_arm(precision: str, steps: int, out_dir: str) -> dict:
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
 
+        def on_log(self, args, state, control, **kw):
+            result["arms"][precision] = arm_record(precision, times, state.log_history, False)
+            write(result)
+
     torch.manual_seed(1234)
     config = GRPOConfig(output_dir=out_dir, use_cpu=True, gradient_checkpointing=False, bf16=precision == "bf16",
                         loss_type="dr_grpo", scale_rewards="none", beta=0.0, learning_rate=2e-6, max_steps=steps,
@@ -68,10 +88,7 @@ def run_arm(precision: str, steps: int, out_dir: str) -> dict:
     trainer = GRPOTrainer(model=MODEL_DIR, reward_funcs=math_verify_reward, args=config, train_dataset=dataset(),
                           callbacks=[StepTimer()])
     trainer.train()
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    measured = times[1:] or times
-    return {"precision": precision, "step_s": times, "reward": rewards, "mean_step_s": statistics.fmean(measured),
-            "mean_reward": statistics.fmean(rewards) if rewards else None}
+    return arm_record(precision, times, trainer.state.log_history, True)
 
 
 def main() -> None:
@@ -90,12 +107,10 @@ def main() -> None:
               "torch": torch.__version__, "threads": torch.get_num_threads(), "load_average_start": os.getloadavg(),
               "machine_peaks": measure_peaks(), "arms": {}}
     for precision in args.precisions:
-        result["arms"][precision] = run_arm(precision, args.steps, os.path.join(args.root, precision))
+        result["arms"][precision] = run_arm(precision, args.steps, os.path.join(args.root, precision), result)
         print(f"TRL {precision}: {result['arms'][precision]['mean_step_s']:.1f} s/step, "
               f"reward {result['arms'][precision]['mean_reward']}", flush=True)
-        result["load_average_end"] = os.getloadavg()
-        with open(RESULTS_JSON, "w") as f:
-            json.dump(result, f, indent=1)
+        write(result)
     print(f"wrote {RESULTS_JSON}")
 
 
