@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test lint bench clean venv-vllm test-vllm smollm2
+.PHONY: venv demo test lint bench clean venv-vllm test-vllm smollm2 venv-trl
 
 $(STAMP): setup.py constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,3 +70,16 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+
+# Bench-only: TRL's GRPOTrainer for the side-by-side in bench/trl_grpo.py (not a project dependency).
+TRL_VENV := .venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
+
+$(TRL_STAMP): setup.py constraints-cpu.txt
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e . trl==1.16.0
+	touch $(TRL_STAMP)
+
+venv-trl: $(TRL_STAMP)

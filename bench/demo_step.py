@@ -5,6 +5,8 @@ fresh processes and interleaved (round r runs the arms in order, round r+1 in re
 the shared machine hits both alike:
 * ``default``: the config as it is (every switch at its configured default);
 * ``default_1_thread``: the default with ``trainer.train_threads=1`` (diagnostic: the threads' share alone);
+* ``default_bf16``: the default with ``model.params_dtype=bf16`` (auto gives the demo fp32: its hidden size 128 is
+  below config/cpu_precision.py's threshold; this arm is the measurement behind it);
 * ``today``: every switch of `SWITCHES` at its old value: old log-probs recomputed by a second forward pass,
   1 thread, no sequence packing, no fused output layer, megatron's unfused core attention, torch's RMSNorm and
   megatron's RoPE.
@@ -51,6 +53,9 @@ SWITCHES: list[tuple[str, object]] = [
 ]
 COMMON = ["trainer.delayed_start_pass_rate=0", "trainer.val_every=0", "checkpoint.save_every=100000",
           "logging.progress_bar=false", "logging.tensorboard=false"]
+DEFAULT_ARMS = ["today", "default", "default_1_thread", "default_bf16"]
+# (numerator arm, denominator arm) of the reported per-phase time ratios, where both ran
+RATIOS = (("today", "default"), ("today", "default_1_thread"), ("default_bf16", "default"))
 PHASES = ("generate", "reward", "old_logprobs", "updates", "refit", "train_phase", "step")
 
 
@@ -170,6 +175,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--root", default=os.path.join(REPO, "runs", "bench_demo_step"))
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=DEFAULT_ARMS,
+                    help="arms to run (a subset other than the default writes demo_step_<arms>.json)")
     ap.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -178,8 +185,10 @@ def main() -> None:
         worker(args.worker, args.out)
         return
     present, absent = present_switches()
-    arms = {"today": [f"{k}={_fmt(v)}" for k, v in present], "default": [],
-            "default_1_thread": ["trainer.train_threads=1"]}  # diagnostic: every switch but the threads
+    all_arms = {"today": [f"{k}={_fmt(v)}" for k, v in present], "default": [],
+                "default_1_thread": ["trainer.train_threads=1"],  # diagnostic: every switch but the threads
+                "default_bf16": ["model.params_dtype=bf16"]}
+    arms = {a: all_arms[a] for a in args.arms}
     records: dict[str, list[list[dict]]] = {a: [] for a in arms}
     load_start = os.getloadavg()
     walls: dict[str, list[float]] = {a: [] for a in arms}
@@ -205,34 +214,33 @@ def main() -> None:
                                  for m, p in zip(got["metrics"], got["passes"], strict=True)])
             print(f"round {r} {arm}: {summarise(records[arm][-1])['step']:.2f} s/step", flush=True)
     summary = {a: summarise([s for run in runs for s in run]) for a, runs in records.items()}
-    speedup = {p: summary["today"][p] / summary["default"][p] for p in PHASES if summary["default"][p] > 0}
-    speedup_1t = {p: summary["today"][p] / summary["default_1_thread"][p] for p in PHASES
-                  if summary["default_1_thread"][p] > 0}
-    print(f"{'phase (s, mean of steps 2..N)':32s} {'today':>8s} {'default':>8s} {'1 thread':>8s} "
-          f"{'today/default':>14s} {'today/1 thread':>15s}")
+    ratios = {f"{a}_over_{b}": {p: summary[a][p] / summary[b][p] for p in PHASES if summary[b][p] > 0}
+              for a, b in RATIOS if a in summary and b in summary}
+    print(f"{'phase (s, mean of steps 2..N)':32s} " + " ".join(f"{a:>16s}" for a in arms)
+          + " " + " ".join(f"{r:>28s}" for r in ratios))
     for p in PHASES:
-        print(f"{p:32s} {summary['today'][p]:8.3f} {summary['default'][p]:8.3f} {summary['default_1_thread'][p]:8.3f} "
-              f"{speedup.get(p, float('nan')):14.2f} {speedup_1t.get(p, float('nan')):15.2f}")
+        print(f"{p:32s} " + " ".join(f"{summary[a][p]:16.3f}" for a in arms) + " "
+              + " ".join(f"{r.get(p, float('nan')):28.2f}" for r in ratios.values()))
     for k in ("forward_passes_per_sample", "update_padding_share", "all_padding_share", "reward_mean", "mismatch"):
-        print(f"{k:32s} {summary['today'][k]:8.3f} {summary['default'][k]:8.3f} {summary['default_1_thread'][k]:8.3f}")
-    by_round = round_speedups(records)
-    for p, ratios in by_round["per_round"].items():
-        print(f"today/default per round, {p}: {' '.join(f'{x:.2f}' for x in ratios)}; "
+        print(f"{k:32s} " + " ".join(f"{summary[a][k]:16.3f}" for a in arms))
+    by_round = round_speedups(records) if "today" in records and "default" in records else None
+    for p, per_round in (by_round or {"per_round": {}})["per_round"].items():
+        print(f"today/default per round, {p}: {' '.join(f'{x:.2f}' for x in per_round)}; "
               f"median {by_round['median'][p]:.2f}")
     result = {
         "command": "python bench/demo_step.py " + " ".join(sys.argv[1:]),
         "config": "demo_cpu", "common_overrides": COMMON, "steps": args.steps, "rounds": args.rounds,
-        "switches_today": dict(present), "absent_switches": absent,
-        "cores": len(os.sched_getaffinity(0)), "load_average_end": os.getloadavg(),
-        "speedup_today_over_default": speedup, "speedup_today_over_default_1_thread": speedup_1t,
+        "switches_today": dict(present), "absent_switches": absent, "arms": arms,
+        "cores": len(os.sched_getaffinity(0)), "load_average_end": os.getloadavg(), "ratios": ratios,
         "speedup_today_over_default_by_round": by_round,
         "load_average_start": load_start, "summary": summary, "wall_s_per_run": walls, "per_step": records,
         "targets": {"train_phase": 3.0, "step": 2.0},
     }
-    os.makedirs(os.path.dirname(RESULTS_JSON), exist_ok=True)
-    with open(RESULTS_JSON, "w") as f:
+    path = RESULTS_JSON if list(arms) == DEFAULT_ARMS else RESULTS_JSON.replace(".json", f"_{'_'.join(arms)}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {RESULTS_JSON}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

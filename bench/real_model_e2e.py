@@ -2,6 +2,7 @@
 each rollout engine -> export to HF -> evaluate.
 
     nohup .venv/bin/python bench/real_model_e2e.py [--steps 20] [--arms megatron vllm] > runs/real_model_e2e.log 2>&1 &
+    .venv/bin/python bench/real_model_e2e.py --steps 5 --arms megatron --dtypes fp32 bf16   # precision side by side
 
 Pipeline (one process per stage, everything offline): `tools/smollm2_to_hf.py` (fp32 HF dir, cached) ->
 `convert_hf_to_megatron` (fp32, TP=1 layout) -> per arm `exgrpo_megatron.train --config-name
@@ -15,7 +16,11 @@ interrupted training run resumes from its newest checkpoint). Writes bench/resul
 per arm and step the time split (generate / refit / reward / train seconds; the vLLM refit happens inside
 generate and is also reported alone), rollout tokens/s (response tokens / generate seconds, generation
 concurrent with grading), the rollout/trainer log-prob ratio (mismatch/token_mult_prob_error), the reward
-curve, and the evaluation accuracy before/after; and real_model_e2e.png beside it.
+curve, and the evaluation accuracy before/after; with --dtypes each arm per model.params_dtype (arm
+`megatron_bf16`, ...). machine_peaks: the fp32/bf16 GEMM peaks and memory bandwidth measured at the start
+(bench/machine_peaks.py; 1 thread as generation runs, 2 as training); per arm the decode roofline of the
+rollout batch in its precision and the fraction of it the measured rollout tokens/s reached
+(`generation_roofline_fraction`). And real_model_e2e.png beside it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from machine_peaks import decode_roofline_tokens_per_s, measure_peaks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -95,26 +102,32 @@ def evaluate(model: str, hf_dir: str, out: str, engine: str, python: str, log: s
             "questions": row["questions"], "truncated": row["truncated"], "seconds": s["seconds"]}
 
 
-def train_arm(arm: str, args: argparse.Namespace, hf_dir: str, ckpt: str) -> dict:
+def arm_name(engine: str, dtype: str) -> str:
+    """`megatron` for the preset's precision (auto), `megatron_bf16` / `megatron_fp32` for a pinned one."""
+    return engine if dtype == "auto" else f"{engine}_{dtype}"
+
+
+def train_arm(arm: str, args: argparse.Namespace, hf_dir: str, ckpt: str, dtype: str = "auto") -> dict:
+    engine, arm = arm, arm_name(arm, dtype)
     arm_dir = os.path.join(args.root, arm)
     done = os.path.join(arm_dir, "arm.json")
     if os.path.isfile(done):
         with open(done) as f:
             return json.load(f)
     os.makedirs(arm_dir, exist_ok=True)
-    python = args.vllm_python if arm == "vllm" else sys.executable
+    python = args.vllm_python if engine == "vllm" else sys.executable
     run_dir, log = os.path.join(arm_dir, "run"), os.path.join(arm_dir, "stages.log")
     extra = (["rollout.vllm.enforce_eager=true", f"rollout.vllm.gpu_memory_utilization={args.vllm_memory}"]
-             if arm == "vllm" else [])
-    run(["-m", "exgrpo_megatron.train", "--config-name", "smollm2_word_problems",
-                   f"checkpoint.init_from={ckpt}", f"rollout.engine={arm}", f"logging.run_dir={run_dir}",
+             if engine == "vllm" else [])
+    run(["-m", "exgrpo_megatron.train", "--config-name", "smollm2_word_problems", f"model.params_dtype={dtype}",
+                   f"checkpoint.init_from={ckpt}", f"rollout.engine={engine}", f"logging.run_dir={run_dir}",
                    f"trainer.total_steps={args.steps}", f"checkpoint.save_every={args.save_every}",
                    "checkpoint.resume=auto", *extra], log, python)
     export = os.path.join(arm_dir, "hf_export")
     if not os.path.isfile(os.path.join(export, "config.json")):
         run(["tools/convert_megatron_to_hf.py", run_dir, export, "--dtype", "fp32"], log)
-    result = {"arm": arm, "steps": load_steps(run_dir),
-              "eval_after": evaluate(export, hf_dir, os.path.join(arm_dir, "eval"), arm, python, log)}
+    result = {"arm": arm, "params_dtype": dtype, "steps": load_steps(run_dir),
+              "eval_after": evaluate(export, hf_dir, os.path.join(arm_dir, "eval"), engine, python, log)}
     with open(done, "w") as f:
         json.dump(result, f, indent=1)
     return result
@@ -137,6 +150,31 @@ def load_steps(run_dir: str) -> dict[str, list[float]]:
     out["rollout_tokens_per_s"] = [length * sequences / max(g, 1e-9)
                                    for length, g in zip(out["response_length"], out["generate_s"], strict=True)]
     return out
+
+
+def resolved_dtype(run_dir: str) -> str:
+    """The precision the run trained in: its start-up block's `CPU precision:` line."""
+    with open(os.path.join(os.path.dirname(run_dir), "stages.log")) as f:
+        lines = [line for line in f if "CPU precision: " in line]
+    return "bf16" if lines and "CPU precision: bf16" in lines[-1] else "fp32"
+
+
+def decode_cost(hf_dir: str) -> tuple[float, float]:
+    """(parameters read per decode step, FLOPs per generated token = 2 x those) from the HF config; the tied
+    embedding counts once, as the output layer every step multiplies by."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    h, ffn, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    params = layers * (2 * h * h + 2 * h * kv + 3 * h * ffn) + c["vocab_size"] * h
+    return params, 2.0 * params
+
+
+def generation_roofline(hf_dir: str, dtype: str, peaks: dict) -> dict:
+    """Decode roofline of the rollout batch (rollout.max_batch_sequences = 32 concurrent rows) in `dtype`."""
+    params, flops = decode_cost(hf_dir)
+    out = decode_roofline_tokens_per_s(params * (2 if dtype == "bf16" else 4), flops, 32, peaks, dtype)
+    return {"decode_params": params, "decode_batch": 32, **out}
 
 
 def summarize(arm: dict) -> dict:
@@ -211,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--arms", nargs="+", default=["megatron", "vllm"], choices=["megatron", "vllm"])
+    parser.add_argument("--dtypes", nargs="+", default=["auto"], choices=["auto", "fp32", "bf16"],
+                        help="model.params_dtype of each arm (fp32 bf16: both, side by side)")
     parser.add_argument("--root", default=os.path.join(REPO, "runs", "bench_real_model_e2e"))
     parser.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"))
     parser.add_argument("--vllm-memory", type=float, default=0.3, help="rollout.vllm.gpu_memory_utilization")
@@ -227,9 +267,15 @@ def main(argv: list[str] | None = None) -> None:
             results["arms"] = json.load(f).get("arms", {})
     results["eval_before"] = evaluate(ckpt, hf_dir, os.path.join(args.root, "eval_before"), "megatron",
                                       sys.executable, os.path.join(args.root, "eval_before.log"))
-    for arm in args.arms:
-        r = train_arm(arm, args, hf_dir, ckpt)
-        results["arms"][arm] = {**r, "summary": summarize(r)}
+    results["machine_peaks"] = {"generate_1_thread": measure_peaks(1), "train_2_threads": measure_peaks(2)}
+    for arm, dtype in [(a, d) for d in args.dtypes for a in args.arms]:
+        r = train_arm(arm, args, hf_dir, ckpt, dtype)
+        resolved = resolved_dtype(os.path.join(args.root, r["arm"], "run"))
+        roofline = generation_roofline(hf_dir, resolved, results["machine_peaks"]["generate_1_thread"])
+        arm = r["arm"]
+        results["arms"][arm] = {**r, "summary": {**summarize(r), "resolved_dtype": resolved, **roofline}}
+        results["arms"][arm]["summary"]["generation_roofline_fraction"] = (
+            results["arms"][arm]["summary"]["rollout_tokens_per_s"] / roofline["roofline_tokens_per_s"])
         os.makedirs(os.path.dirname(RESULTS_JSON), exist_ok=True)
         with open(RESULTS_JSON, "w") as f:
             json.dump(results, f, indent=1)

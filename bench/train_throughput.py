@@ -76,10 +76,15 @@ MEGATRON_VARIANTS = {"megatron": ("sdpa", True), "megatron_unfused": ("sdpa", Fa
                      "megatron_fused": ("sdpa", True)}
 
 
+def dtype_name() -> str:
+    """The precision of both frameworks' models (`--dtype`, passed to the RSS subprocesses as BENCH_DTYPE)."""
+    return os.environ.get("BENCH_DTYPE", "fp32")
+
+
 def model_config(preset: str, core_attention: str = "sdpa", fused_norm_rope: bool = True):
     from exgrpo_megatron.config.schema import ModelConfig
 
-    return ModelConfig(params_dtype="fp32", layer_spec="local", max_position_embeddings=1024,
+    return ModelConfig(params_dtype=dtype_name(), layer_spec="local", max_position_embeddings=1024,
                        tie_word_embeddings=False, core_attention=core_attention, fused_norm_rope=fused_norm_rope,
                        **PRESETS[preset])
 
@@ -102,8 +107,10 @@ def build_hf(cfg, attn: str, gpt=None):
 
     from exgrpo_megatron.convert.hf_config import hf_config_from_model_config
 
-    hf_cfg = {k: v for k, v in hf_config_from_model_config(cfg, dtype="float32").items() if k != "architectures"}
-    hf = Qwen2ForCausalLM(Qwen2Config(**hf_cfg, attn_implementation=attn)).float().train()
+    torch_dtype = torch.bfloat16 if dtype_name() == "bf16" else torch.float32
+    hf_cfg = {k: v for k, v in hf_config_from_model_config(cfg, dtype=str(torch_dtype).removeprefix("torch.")).items()
+              if k != "architectures"}
+    hf = Qwen2ForCausalLM(Qwen2Config(**hf_cfg, attn_implementation=attn)).to(torch_dtype).train()
     if gpt is not None:
         from exgrpo_megatron.convert.hf_mapping import megatron_to_hf
         from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
@@ -150,16 +157,11 @@ def make_step(name: str, model, cfg, batch: int, seq: int):
     return step
 
 
-def gemm_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Median fp32 torch.matmul rate (2 n^3 FLOPs per product)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.matmul(a, b)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times)
+def gemm_flops() -> float:
+    """This run's GEMM peak in the benchmark's dtype (bench/machine_peaks.py), FLOP/s."""
+    from machine_peaks import gemm_peak_gflops
+
+    return gemm_peak_gflops(torch.bfloat16 if dtype_name() == "bf16" else torch.float32) * 1e9
 
 
 def flops_per_token(cfg, seq: int) -> tuple[int, float]:
@@ -269,7 +271,11 @@ def main() -> None:
     parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--rss-child", choices=MODELS)
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                        help="both frameworks' model precision (bf16 writes train_throughput_bf16.json)")
     args = parser.parse_args()
+    if args.dtype:
+        os.environ["BENCH_DTYPE"] = args.dtype
     if args.rss_child:
         rss_child(args.rss_child, args.preset, args.batch, args.seq)
         return
@@ -296,7 +302,8 @@ def report(args, gemm_before: float, gemm: float, results: list[dict], complete:
                 if name in rows and hf in rows:
                     res[f"{name}_over_{hf}"] = rows[hf]["median_step_s"] / rows[name]["median_step_s"]
                     res[f"{name}_over_{hf}_cpu_time"] = rows[hf]["median_cpu_s"] / rows[name]["median_cpu_s"]
-    print(f"threads={args.threads} batch={args.batch}x{args.seq} fp32 GEMM(2048^2)={gemm / 1e9:.1f} GFLOP/s "
+    dtype = dtype_name()
+    print(f"threads={args.threads} batch={args.batch}x{args.seq} {dtype} GEMM peak={gemm / 1e9:.1f} GFLOP/s "
           f"load={os.getloadavg()[0]:.1f}")
     print(f"{'preset':6s} {'model':15s} {'params':>9s} {'tok/s':>9s} {'min s':>7s} {'med s':>7s} {'cpu s':>7s} "
           f"{'MFU':>6s} {'loss':>8s} "
@@ -310,15 +317,17 @@ def report(args, gemm_before: float, gemm: float, results: list[dict], complete:
         for key, ratio in res.items():
             if "_over_" in key:
                 print(f"{res['preset']:6s} {key} = {ratio:.2f}x")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    path = RESULTS if dtype == "fp32" else RESULTS.replace(".json", f"_{dtype}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         json.dump({"command": " ".join([".venv/bin/python", "bench/train_throughput.py", *sys.argv[1:]]),
-                   "complete": complete, "threads": args.threads, "gemm_flops_per_s": gemm,
+                   "complete": complete, "threads": args.threads, "gemm_flops_per_s": gemm, "dtype": dtype,
+                   f"{dtype}_peak_gflops": gemm / 1e9, "mfu": "model FLOP/s over this run's GEMM peak in the dtype",
                    "gemm_flops_before": gemm_before, "load_average_end": os.getloadavg(), "torch": torch.__version__,
                    "timing": f"interleaved rounds ({args.models}); tokens/s, MFU and ratios from the median step",
                    "results": results},
                   f, indent=2)
-    print(f"wrote {RESULTS}", flush=True)
+    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

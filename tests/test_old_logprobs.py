@@ -17,7 +17,8 @@ from tests.helpers.multirank import run_on_ranks
 
 @pytest.mark.parametrize(("mode", "engine", "dtype", "top_p", "top_k", "expected"), [
     ("auto", "megatron", "float32", 1.0, -1, "rollout"),     # the policy's own modules and dtype
-    ("auto", "megatron", "bfloat16", 0.9, 20, "rollout"),    # its log-probs are the full softmax at T regardless
+    ("auto", "megatron", "float32", 0.9, 20, "rollout"),     # its log-probs are the full softmax at T regardless
+    ("auto", "megatron", "bfloat16", 1.0, -1, "recompute"),  # bf16 KV-cache decode vs the packed forward: not exact
     ("auto", "vllm", "bfloat16", 1.0, -1, "recompute"),      # bf16 vLLM vs the fp32 policy: not exact
     ("auto", "vllm", "float32", 1.0, -1, "rollout"),
     ("auto", "vllm", "float32", 0.9, -1, "recompute"),       # top-p renormalisation differs across vLLM versions
@@ -32,7 +33,9 @@ def test_resolution(mode, engine, dtype, top_p, top_k, expected):
 def test_inexact_rollout_and_unknown_modes_fail_at_start_up_naming_the_key():
     assert config_errors(load_config("demo_cpu", []), 1) == []
     bf16_vllm = ["rollout.engine=vllm", "rollout.vllm.dtype=bf16", "model.hf_path=/x"]
-    for overrides in (["algo.old_logprobs=rollout", *bf16_vllm], ["algo.old_logprobs=cached"]):
+    bf16_megatron = ["model.params_dtype=bf16"]
+    for overrides in (["algo.old_logprobs=rollout", *bf16_vllm], ["algo.old_logprobs=rollout", *bf16_megatron],
+                      ["algo.old_logprobs=cached"]):
         errors = config_errors(load_config("demo_cpu", overrides), 1)
         assert len(errors) == 1 and errors[0].startswith("algo.old_logprobs"), errors
 

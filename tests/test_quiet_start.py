@@ -32,7 +32,10 @@ def test_demo_entry_starts_with_the_startup_block_and_no_known_warning(tmp_path)
     assert not [line for line in lines if "Warning" in line], "\n".join(lines[:20])  # nothing else either, today
     first = proc.stdout.splitlines()[:3]
     assert first[0].startswith("exgrpo-train: CPU run: gloo process groups, local layer spec, no Transformer Engine")
-    assert first[1].startswith(f"exgrpo-train: run dir {tmp_path / 'run'}; layout TP=1 PP=1 DP=1 (world 1, cpu)")
+    # the demo's hidden size 128 is below the bf16 threshold: fp32 whatever the CPU, and the line says why
+    assert first[1].startswith("exgrpo-train: CPU precision: fp32; ") and first[1].endswith(
+        ("auto: hidden size 128 < 512", "auto: no bf16 matrix unit")), first[1]
+    assert first[2].startswith(f"exgrpo-train: run dir {tmp_path / 'run'}; layout TP=1 PP=1 DP=1 (world 1, cpu)")
 
 
 SCRIPT = """

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from exgrpo_megatron.config.cpu_precision import cpu_auto_is_bf16, this_cpu_bf16_unit
 from exgrpo_megatron.config.schema import ModelConfig
 
 if TYPE_CHECKING:
@@ -31,11 +32,14 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int = 1) -> i
 
 
 def resolve_params_dtype(cfg: ModelConfig) -> torch.dtype:
-    """`model.params_dtype`: auto = bf16 on GPU, fp32 on CPU."""
+    """`model.params_dtype`: auto = bf16 on GPU; on CPU bf16 where the CPU has bf16 matrix units and the model is
+    large enough (config/cpu_precision.py), else fp32."""
     import torch
 
     if cfg.params_dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        if torch.cuda.is_available():
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_auto_is_bf16(this_cpu_bf16_unit(), cfg.hidden_size) else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.params_dtype]
 
 

@@ -1,9 +1,10 @@
 """Which pi_old source a run uses (`algo.old_logprobs`), decided from the config alone.
 
 The generation log-probs are pi_old exactly where the engine computes them as the policy does: the megatron
-engine always; vLLM in fp32 with top_p = 1 and top-k off. auto picks `rollout` there and `recompute`
-elsewhere; an explicit `rollout` where they are not exact is refused at start-up (validate.py) and the
-trainer passes the resolved source to policy/old_logprobs.py.
+engine in fp32 (in bf16 its KV-cache decode rounds differently from the trainer's packed forward: the ratio
+measured 1.03 on SmolLM2 on CPU, docs/precision.md); vLLM in fp32 with top_p = 1 and top-k off. auto picks
+`rollout` there and `recompute` elsewhere; an explicit `rollout` where they are not exact is refused at
+start-up (validate.py) and the trainer passes the resolved source to policy/old_logprobs.py.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from exgrpo_megatron.config.schema import CHOICES, RootConfig
 
 
 def rollout_logprobs_exact(engine: str, engine_dtype: str, top_p: float, top_k: int) -> bool:
-    """Are the engine's generation log-probs the policy's own (same weights, same dtype, same distribution)?"""
+    """Are the engine's generation log-probs the policy's own (same weights, same distribution, fp32 so the
+    engine's decode rounds as the trainer's forward does)? The megatron engine's log-probs are the full softmax
+    at T whatever top-p/top-k; its dtype is the policy's."""
     if engine == "megatron":
-        return True
+        return engine_dtype == "float32"
     return engine == "vllm" and engine_dtype == "float32" and top_p == 1.0 and top_k <= 0
 
 
@@ -35,8 +38,9 @@ def resolve_old_logprobs(mode: str, engine: str, engine_dtype: str, top_p: float
 
 
 def resolve_old_logprobs_for(cfg: RootConfig) -> str:
-    """`resolve_old_logprobs` for a run's config: the vLLM engine's dtype is `rollout.vllm.dtype` as the engine
-    factory resolves it (auto = the policy's parameter dtype)."""
+    """`resolve_old_logprobs` for a run's config: the megatron engine's dtype is the policy's, the vLLM engine's is
+    `rollout.vllm.dtype` as the engine factory resolves it (auto = the policy's parameter dtype)."""
     r = cfg.rollout
-    dtype = vllm_dtype(r.vllm.dtype, resolve_params_dtype(cfg.model))
+    policy_dtype = resolve_params_dtype(cfg.model)
+    dtype = vllm_dtype(r.vllm.dtype if r.engine == "vllm" else "auto", policy_dtype)
     return resolve_old_logprobs(cfg.algo.old_logprobs, r.engine, dtype, r.top_p, r.top_k)

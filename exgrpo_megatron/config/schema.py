@@ -31,7 +31,7 @@ class ModelConfig:
     qkv_bias: bool = True
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
-    params_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    params_dtype: str = "auto"  # auto (bf16 on GPU; CPU: config/cpu_precision.py) | fp32 | bf16
     layer_spec: str = "auto"  # auto (TE when importable with CUDA) | te | local
     core_attention: str = "sdpa"  # local spec: sdpa (torch fused kernel) | megatron (DotProductAttention)
     fused_norm_rope: bool = True  # local spec: RMSNorm and RoPE as one autograd function each (model/fused_ops.py)

