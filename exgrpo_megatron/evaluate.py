@@ -1,4 +1,4 @@
-"""Benchmark evaluation with the paper's protocol (algorithm reference §4.4).
+"""Benchmark evaluation with the paper's protocol (docs/exgrpo.md).
 
     python -m exgrpo_megatron.evaluate --model PATH --data FILE [FILE ...] [--out DIR] ...
 

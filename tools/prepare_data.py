@@ -15,7 +15,7 @@ Commands:
     python tools/prepare_data.py local raw.jsonl more.parquet --output data/mine.parquet \
         --question-key problem --answer-key answer
     # OpenR1-Math-46k (Elliott/Openr1-Math-46k-8192; the R1 traces in `target` are dropped: the
-    # trainer never uses them, algorithm reference section 4.2)
+    # trainer never uses them, docs/exgrpo.md)
     python tools/prepare_data.py openr1 --output data/openr1.parquet
     # the six in-distribution benchmarks and the three OOD multiple-choice ones (tables below)
     python tools/prepare_data.py benchmarks --output-dir data [--only arc_c,mmlu_pro]

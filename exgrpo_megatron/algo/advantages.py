@@ -1,6 +1,6 @@
 """Group-relative advantages (GRPO / Dr.GRPO) for ExGRPO's mixed groups.
 
-Source: paper §3.1 (Dr.GRPO: no std, no length normalisation) and the algorithm reference §2
+Source: paper §3.1 (Dr.GRPO: no std, no length normalisation) and docs/exgrpo.md
 (`compute_grpo_outcome_advantage` with `grpo_use_std=False`). A group holds the K rollouts of one
 question; for a replayed question it mixes the replayed trajectory o* and K-1 fresh rollouts, so with
 k successes among the K members the replay (reward 1) gets A(o*) = 1 - k/K. The advantage is one

@@ -1,7 +1,7 @@
 """The ExGRPO policy loss: pure per-token functions plus a DP- and micro-batch-invariant aggregation.
 
 Sources: paper Eq. 3-4 and §D.1 (mixed-policy objective; clipping removed and policy shaping used in the
-mixed phase); algorithm reference §3 (the code's `compute_token_on_off_policy_loss`). Notation per token t
+mixed phase); docs/exgrpo.md (the code's `compute_token_on_off_policy_loss`). Notation per token t
 of sequence i: logp = log pi_theta, A = the sequence's advantage (broadcast over its tokens), m = response
 mask (up to and including EOS), P = replay mask (tokens of a replayed trajectory o*).
 
@@ -16,7 +16,7 @@ Per-token loss l_t (no KL term; the original has none):
 Total loss of one micro-batch on one rank:
   L_mb = sum_{i,t} m*l / pg_normaliser  -  entropy_coeff * sum_{i,t} m*H / entropy_normaliser
 
-Normalisation contract (NeMo-RL's; anchors §C). The caller counts valid tokens and sequences of the whole
+Normalisation contract (NeMo-RL's). The caller counts valid tokens and sequences of the whole
 global mini-batch, all-reduced over DP *before* splitting it into micro-batches (`global_loss_counts`), and
 derives both normalisers from those global counts (`loss_normalisers`). Each micro-batch then returns its sum
 divided by the global normaliser, so summing micro-batch losses over micro-batches and summing (not averaging)
@@ -119,7 +119,7 @@ def select_behaviour_logprobs(
     old_logprobs: Tensor, recorded_logprobs: Tensor, replay_mask: Tensor, replay_is_correction: bool
 ) -> Tensor:
     """Behaviour log-probs for the replay ratio w: the recorded pi_past on replayed tokens when
-    `replay_is_correction`, else this step's pi_theta_old everywhere (algorithm reference §3)."""
+    `replay_is_correction`, else this step's pi_theta_old everywhere (docs/exgrpo.md)."""
     if not replay_is_correction:
         return old_logprobs
     return torch.where(_per_token(replay_mask, old_logprobs).bool(), recorded_logprobs, old_logprobs)
@@ -277,7 +277,7 @@ def mult_prob_error_sums(generation_logprobs: Tensor, trainer_logprobs: Tensor, 
 
 def token_mult_prob_error(generation_logprobs: Tensor, trainer_logprobs: Tensor, response_mask: Tensor) -> Tensor:
     """Mean over valid tokens of exp(|logp_generation - logp_trainer|): 1.0 when the rollout engine and the
-    trainer agree exactly; a train/inference mismatch alarm (NeMo-RL's metric, anchors §C)."""
+    trainer agree exactly; a train/inference mismatch alarm (NeMo-RL's metric)."""
     total, count = mult_prob_error_sums(generation_logprobs, trainer_logprobs, response_mask)
     return total / count.clamp(min=1.0)
 

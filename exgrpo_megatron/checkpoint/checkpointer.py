@@ -1,6 +1,6 @@
 """Save and load a whole training checkpoint: model, optimizer, LR scheduler, pool shards, RNG, trainer state.
 
-Layout (shared/ckpt_layout.md), inside `<run_dir>/checkpoints/step_XXXXXXXX/`:
+Layout, inside `<run_dir>/checkpoints/step_XXXXXXXX/`:
 
     model/                 megatron dist_checkpointing (torch_dist) of {"model"|"model0".., "optimizer"};
                            sharded by global tensor keys, so it loads at any TP/PP/DP layout

@@ -2,8 +2,7 @@
 
 The UNWRAPPED GPTModel chunks are checkpointed (DDP's sharded_state_dict keys carry a "module."
 prefix): key "model" for one chunk, "model0", "model1", ... for virtual pipeline stages. Tensors are
-stored under global sharded keys, so a checkpoint written at one layout loads at another
-(shared/docs/megatron_cpu.md section 8).
+stored under global sharded keys, so a checkpoint written at one layout loads at another.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ def model_keys(n_chunks: int) -> list[str]:
 
 
 def _optimizer_kwargs(optimizer) -> dict:
-    """DistributedOptimizer needs a reshardable format (shared/docs/megatron_cpu.md section 8)."""
+    """DistributedOptimizer needs a reshardable format."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     inner = getattr(optimizer, "chained_optimizers", [optimizer])

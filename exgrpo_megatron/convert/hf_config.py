@@ -1,6 +1,6 @@
 """Translate between a HuggingFace `config.json` (Qwen2 / Llama) and our `ModelConfig`.
 
-Mapping (shared/docs/ecosystem.md section 4): num_hidden_layers -> num_layers, intermediate_size ->
+Mapping: num_hidden_layers -> num_layers, intermediate_size ->
 ffn_hidden_size, num_key_value_heads -> num_query_groups, head_dim -> kv_channels, rms_norm_eps,
 rope_theta, tie_word_embeddings; Qwen2 has bias on q/k/v only, Llama none. Llama 3.1 RoPE scaling
 must be exactly what megatron-core implements (`rope_type` llama3, low/high frequency factors 1 and 4,

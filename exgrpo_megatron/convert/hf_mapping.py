@@ -1,7 +1,7 @@
 """Pure name/layout mapping between megatron-core GPTModel parameters and HF Qwen2/Llama tensors.
 
 "Full" megatron tensors are in the TP=1 layout (what a TP all-gather produces) and carry global names;
-megatron names and TP sharding are model/param_layout.py's. Rules from shared/docs/ecosystem.md
+megatron names and TP sharding are model/param_layout.py's. Rules from the HF model configs
 section 4 and anchors.md section C:
   * linear_qkv rows are interleaved PER QUERY GROUP: for each group g, [q heads of g (H/G of them); k_g; v_g];
     Qwen2's q/k/v biases the same way (1-D). Under TP each rank holds G/TP whole groups, so a TP

@@ -1,6 +1,6 @@
 """Prompt datasets: parquet / JSONL / JSON files in the verl (OpenR1-Math-46k) layout, rendered and tokenized once.
 
-Layout (algorithm reference §4.2): one row per question; ``prompt`` is either the question string or a chat
+Layout (docs/exgrpo.md): one row per question; ``prompt`` is either the question string or a chat
 list ``[{role, content}, ...]`` whose **last user turn** is the question (the LUFFY system turn is dropped:
 the prompt template re-adds it); the gold answer sits at a dotted path into nested struct columns
 (``reward_model.ground_truth``). An optional ``data_source`` column (e.g. ``aime24``) is kept per example.

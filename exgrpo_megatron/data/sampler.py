@@ -2,7 +2,7 @@
 
 Each epoch ``e`` visits the qids in the order ``perm_e = Generator(PCG64(SeedSequence([seed, e]))).permutation``
 (or the given order when ``shuffle=False``). ``draw(n, skip)`` walks that order from the saved position and
-returns the next ``n`` ids that are not in ``skip`` (the global retired set, algorithm reference §1.5); ids met
+returns the next ``n`` ids that are not in ``skip`` (the global retired set, docs/exgrpo.md); ids met
 in ``skip`` are passed over for the rest of this epoch. Only what is returned is consumed: the reference code
 loaded B fresh prompts per step and discarded the ones replaced by replays (§2, §6 item 7); here the trainer
 asks for exactly ``B - n_exp`` and dataset coverage is preserved.

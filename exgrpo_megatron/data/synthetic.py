@@ -23,7 +23,7 @@ A question is ``"<expression>=?"`` (digits, ``+ - * ( ) = ?`` only, all in the C
 gold answer is the integer value as a string. :func:`solution_text` writes the short worked response that
 follows the ``plain`` template's prompt (``"{question}\\n<think>\\n"``): the evaluation steps, ``</think>``,
 then ``\\boxed{answer}``, e.g. ``"3+4=7, 7+5=12</think>\\boxed{12}"``; the grader prepends ``"<think>\\n"``
-(algorithm reference §4.3) and scores it 1.0. It is the supervised warm-start corpus of the demo. The parser
+(docs/exgrpo.md) and scores it 1.0. It is the supervised warm-start corpus of the demo. The parser
 (:func:`evaluate_with_steps`) also handles parentheses and longer expressions, for other uses of
 :func:`solution_text`.
 """

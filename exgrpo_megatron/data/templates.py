@@ -1,4 +1,4 @@
-"""Prompt templates of the paper (algorithm reference §4.2) and the demo.
+"""Prompt templates of the paper (docs/exgrpo.md) and the demo.
 
 * ``own``: the LUFFY system instruction followed by ``User: This is the problem: {question}
   Assistant: <think>\\n`` (paper §G.1).

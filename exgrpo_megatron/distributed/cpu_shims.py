@@ -3,7 +3,7 @@
 `apply()` is a no-op when CUDA is available, so the same code runs Transformer Engine and NCCL on
 GPU. On CPU it must run before megatron-core's inference modules are imported (one of them imports
 `torch.cuda.nvtx` at import time). Each shim names the first failure seen without it
-(see shared/docs/megatron_cpu.md, section 2). It also filters megatron-core's known-harmless CPU
+(megatron-core assumes CUDA in a few places). It also filters megatron-core's known-harmless CPU
 warnings (`cpu_warnings`), so call it before importing megatron-core modules (the trainer is imported
 after it in `train.main`).
 """

@@ -15,7 +15,7 @@ def bucket_probabilities(
 ) -> np.ndarray:
     """Probability of drawing from each bucket k = 0..K (index k), zero for empty buckets.
 
-    Weights (algorithm reference §1.3; [C] `weighted_bucket_sampler._normal_mapping`):
+    Weights (docs/exgrpo.md; [C] `weighted_bucket_sampler._normal_mapping`):
       normal:  w_k = exp(-(k - mu*K)^2 / (2 sigma^2)), k in COUNT units (successes out of K);
       uniform: w_k = 1;  linear: w_k = k/K;  sqrt: w_k = sqrt(k/K).
     p_k = w_k / sum_{j non-empty} w_j for non-empty k, 0 otherwise. If every non-empty bucket has zero
@@ -57,7 +57,7 @@ def bucket_probabilities(
 
 def draw_bucket_counts(rng: np.random.Generator, probabilities: np.ndarray, bucket_sizes: np.ndarray,
                        n: int) -> np.ndarray:
-    """How many questions to draw from each bucket (algorithm reference §1.3, [P] Alg. 2).
+    """How many questions to draw from each bucket (docs/exgrpo.md, [P] Alg. 2).
 
     counts ~ Multinomial(n, p); a bucket's count above its size is clipped and the excess is
     re-assigned one draw at a time to buckets with room, in proportion to p (uniformly over buckets

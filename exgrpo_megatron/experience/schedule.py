@@ -1,4 +1,4 @@
-"""The one owner of the training phase (algorithm reference §1.6, delayed start): warm-up -> collecting -> mixed.
+"""The one owner of the training phase (docs/exgrpo.md, delayed start): warm-up -> collecting -> mixed.
 
   warm-up     fresh prompts only; the fresh tokens keep the PPO clip; the pool collects nothing (questions solved
               K of K still retire, from step 1);

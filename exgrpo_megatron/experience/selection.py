@@ -1,4 +1,4 @@
-"""Which stored trajectory of a sampled question to replay (algorithm reference §1.4).
+"""Which stored trajectory of a sampled question to replay (docs/exgrpo.md).
 
 ExGRPO replays, per sampled question, the stored correct trajectory with the LOWEST mean token
 entropy under the CURRENT policy ([P] §4.1, Alg. 1 l.11):
@@ -7,7 +7,7 @@ entropy under the CURRENT policy ([P] §4.1, Alg. 1 l.11):
 The pool cannot run the model, so it asks a `Scorer` for per-candidate statistics (the trainer
 implements it with one batched forward of prompt + candidate) and applies the pure selection below.
 
-Original-code bug (algorithm reference §1.4, LUFFY issue #57): `experience_helpers.compute_postcal_metrics`
+Original-code bug (docs/exgrpo.md, LUFFY issue #57): `experience_helpers.compute_postcal_metrics`
 (1) inverts the mask (`~(responses != pad)` selects pad positions), (2) reads entropies from the
 left-padded prompt+response layout with a right-padded response mask, and (3) takes the mask from
 `responses[i % 8]` of the last 8-row batch. The result is about the TOTAL response entropy (plus some

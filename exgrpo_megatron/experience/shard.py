@@ -1,6 +1,6 @@
 """One shard of the experience pool: stored correct trajectories, correctness buckets, retired set.
 
-Update rule for a group of question q with k correct out of K (algorithm reference §1.2, §1.5):
+Update rule for a group of question q with k correct out of K (docs/exgrpo.md):
   * q already retired: ignored (a retired question is never stored or drawn again);
   * k == K: retire q -- its trajectories are dropped and q joins the retired set;
   * lbound < k <= rbound (defaults 0 < k <= K-1): q moves to bucket k and its correct trajectories are

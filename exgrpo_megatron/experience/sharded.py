@@ -3,7 +3,7 @@
 Question q lives on DP rank owner_rank(q, dp_size) (routing.py). Every method is a collective over
 the DP group when dp_size > 1: all DP ranks call it in the same order with the arguments described.
 
-Global semantics of `sample(n, seed)` (algorithm reference §1.3, with the pool split over ranks):
+Global semantics of `sample(n, seed)` (docs/exgrpo.md, with the pool split over ranks):
   1. all-gather the per-rank bucket sizes; global size S_k = sum over ranks;
   2. n_exp = min(n, sum_k S_k); p = bucket_probabilities(S); counts ~ Multinomial(n_exp, p) with
      re-assignment of the excess over full buckets -- computed identically on every rank from `seed`;

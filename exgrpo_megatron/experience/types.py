@@ -1,7 +1,7 @@
 """Plain data objects that cross the experience pool's boundary.
 
 Trajectories are stored as token ids, never text: the recorded behaviour log-probs stay aligned
-with the exact sampled tokens (algorithm reference §6.5: the original decode -> re-encode round trip
+with the exact sampled tokens (docs/exgrpo.md: the original decode -> re-encode round trip
 can misalign them silently).
 """
 

@@ -20,7 +20,7 @@ on the shards that do not own the target). With g_l = dL/dlogp and g_H = dL/dH, 
 
 The g_H term is skipped when `entropy_grad=False` (entropy coefficient 0). The input logits are never modified
 (megatron's own `vocab_parallel_cross_entropy` overwrites them). Pattern after slime's
-`_VocabParallelLogProbEntropy` and NeMo-RL's `DistributedLogprob` (anchors §C); this code is our own.
+`_VocabParallelLogProbEntropy` and NeMo-RL's `DistributedLogprob`; this code is our own.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ policy does, those ARE pi_old and a second forward pass buys nothing:
 vLLM in bf16 is not exact: there the trainer recomputes (algo.old_logprobs=auto picks it, config/old_logprobs.py).
 
 Replayed rows were sampled long ago (their recorded log-probs are pi_behaviour, the replay ratio's denominator,
-algorithm reference §3), so their pi_old still needs the current weights. The trajectory-selection pass
+docs/exgrpo.md), so their pi_old still needs the current weights. The trajectory-selection pass
 (policy/scoring.py) already ran every candidate through the current policy before any update of this step; it
 keeps the log-probs at the rollout (= loss) temperature and the chosen trajectory's travel with the replay choice.
 Only replayed rows the selection did not score (a single stored candidate, metric random) are run forward here.

@@ -1,7 +1,7 @@
 """Grading of benchmark generations (``exgrpo_megatron.evaluate``): two graders per response, run in worker
 processes while the next batch generates.
 
-Labels (algorithm reference §4.4): the boxed grader decides (``reward.boxed`` for math, the reference's OAT
+Labels (docs/exgrpo.md): the boxed grader decides (``reward.boxed`` for math, the reference's OAT
 grader; ``reward.multiple_choice`` for the OOD multiple-choice benchmarks: the boxed option letter);
 Math-Verify (``reward.scoring.score_response``) is a second opinion; a different verdict is a disagreement.
 

@@ -1,4 +1,4 @@
-"""Boxed-answer grader for benchmark evaluation (algorithm reference §4.4).
+"""Boxed-answer grader for benchmark evaluation (docs/exgrpo.md).
 
 The reference evaluation (``eval_scripts/generate_vllm.py`` with ``--add_oat_evaluate True``) labels a
 response by its LAST ``\\boxed{...}`` and a symbolic/numeric comparison with the gold answer. This module

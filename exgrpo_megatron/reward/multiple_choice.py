@@ -1,5 +1,5 @@
 """Multiple-choice questions of the out-of-distribution benchmarks (ARC-c, GPQA-diamond, MMLU-Pro): their prompt
-text and the answer-letter grader (algorithm reference §4.4; the paper's OOD columns).
+text and the answer-letter grader (docs/exgrpo.md; the paper's OOD columns).
 
 Prompt (the question text stored in the data file; the prompt template, e.g. ``own``, wraps it as any
 question). As in the reference evaluation files (LUFFY ``data/valid.{arc_c,gpqa}.parquet``):

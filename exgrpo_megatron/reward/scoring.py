@@ -1,4 +1,4 @@
-"""Pure Math-Verify scoring of one response (algorithm reference §4.3).
+"""Pure Math-Verify scoring of one response (docs/exgrpo.md).
 
 Reference rule (``mix_src/math_verify_reward.reward_fn_math_verify``): the prompt ends with
 ``<think>\\n``, so the decoded response is prefixed with ``"<think>\\n"``; if ``<think>`` or

@@ -4,7 +4,7 @@ A hand-written decode loop, run by every rank of a model replica (SPMD), over on
 `KVCacheStage` (rollout/kv_decode.py, the default: the model's megatron modules with a contiguous
 KV cache holding keys after RoPE, so a decode step costs O(1) copies per layer) or
 `StaticContextStage` (megatron's own GPTModel.forward over `StaticInferenceContext`,
-shared/docs/megatron_cpu.md §7; the reference, and the fallback for models with features
+the reference, and the fallback for models with features
 KVCacheStage does not implement, see `kv_decode.unsupported_reason`). Both give the same samples
 up to fp rounding of the logits (tested).
 

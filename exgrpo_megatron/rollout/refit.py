@@ -13,7 +13,7 @@ megatron name, full TP=1-layout tensor). Names and sharding come from model/para
 - Names: the TP=1/PP=1 model's names (`named_global_params`, global layer indices under PP and
   VPP). With tied embeddings the last stage's copy of the embedding (`output_layer.weight`, PP > 1
   only) is skipped; `iter_hf_weight_buckets` emits `lm_head.weight` from the embedding instead
-  (vLLM needs it explicitly, ecosystem.md §6).
+  (vLLM needs it explicitly).
 
 Buckets are consecutive runs of one stage's parameters in `named_parameters()` order, closed as
 soon as they reach `bucket_bytes` (or when the dtype changes), so every tensor appears exactly once,

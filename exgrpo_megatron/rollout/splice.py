@@ -1,6 +1,6 @@
 """Replayed trajectories are never regenerated: the stored one is spliced in as the K-th sample.
 
-ExGRPO (algorithm reference §1.3, "Effective group G_q* = {o*} ∪ {o_1..o_{K-1}}"): for an
+ExGRPO (docs/exgrpo.md, "Effective group G_q* = {o*} ∪ {o_1..o_{K-1}}"): for an
 experience question the engine generates K-1 fresh samples and the pool's trajectory o* joins
 them. Unlike the reference code (which re-prefills o* as a forced prefix and throws away the
 continuation), o* is appended here with its recorded behaviour log-probs and `is_replay=True`.

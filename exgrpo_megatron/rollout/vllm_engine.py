@@ -24,7 +24,7 @@ version it last refitted, so a new load path cannot skip the refit.
 - `update_weights()` streams HF-named full tensors (rollout/refit.py: TP all-gather + PP broadcast
   per bucket of >= refit_bucket_mb, QKV/fc1 layout by convert.hf_mapping.megatron_to_hf, lm_head
   for tied models) into `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, which
-  runs the model's loader and its post-load processing (not `model.load_weights`, ecosystem.md §6);
+  runs the model's loader and its post-load processing (not `model.load_weights`);
   the iterator is passed in-process (external launcher / VLLM_ENABLE_V1_MULTIPROCESSING=0), so
   the buckets are produced lazily while vLLM consumes them. The prefix cache is reset afterwards.
 
