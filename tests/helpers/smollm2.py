@@ -19,6 +19,7 @@ def build_smollm2(root: Path, tp_size: int = 1) -> dict:
     sys.path.insert(0, os.path.join(REPO, "tools"))
     from smollm2_to_hf import build
 
+    from exgrpo_megatron.checkpoint.integrity import write_weights_manifest
     from exgrpo_megatron.convert.hf_config import save_model_config
     from exgrpo_megatron.convert.hf_to_megatron import convert_hf_to_megatron
 
@@ -30,4 +31,5 @@ def build_smollm2(root: Path, tp_size: int = 1) -> dict:
     cfg = convert_hf_to_megatron(hf_dir, ckpt, tp_size=tp_size, dtype="fp32", progress=False)
     cfg.params_dtype = "fp32"
     save_model_config(cfg, ckpt)
+    write_weights_manifest(ckpt)  # re-seal: the run verifies every file of an init_from directory
     return {"hf": hf_dir, "ckpt": ckpt, "data": data, "root": root}
