@@ -1,26 +1,42 @@
-"""What the group-relative policy-gradient variants share (GRPO, ExGRPO and those built on them): group-mean
-advantages, keep-every-group, the loss normalisers and the declared step metrics. A variant overrides what it
-changes (algo/variants/)."""
+"""What the group-relative policy-gradient variants share (GRPO, ExGRPO and those built on them): their common
+settings (read from the config in one place, `shared_settings`), group-mean advantages, keep-every-group, the loss
+normalisers and the declared step metrics. A variant adds its own fields and overrides what it changes
+(algo/variants/)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
 from exgrpo_megatron.algo.advantages import group_advantages
 from exgrpo_megatron.algo.loss import loss_normalisers, metric_reduce_op, summarize_loss_metrics
+from exgrpo_megatron.config.schema import AlgoConfig
 
 
+@dataclass(frozen=True)
 class GroupRelative:
-    """Mixin of the shared methods; the dataclass using it holds the fields named here."""
+    """The shared settings and methods; a variant is a frozen dataclass subclass adding its own fields."""
 
+    name: str
     adv_std_normalize: bool
+    clip_ratio: float
+    entropy_coeff: float
     loss_agg_mode: str
     loss_seqs_per_rank_ref: float
     entropy_microbatches_ref: float
     max_response_length: int
     filters_groups = False
+
+    @staticmethod
+    def shared_settings(name: str, algo: AlgoConfig, max_response_length: int) -> dict[str, Any]:
+        """The shared fields' values from the config (the one place they are read)."""
+        return dict(name=name, adv_std_normalize=algo.adv_std_normalize, clip_ratio=algo.clip_ratio,
+                    entropy_coeff=algo.entropy_coeff, loss_agg_mode=algo.loss_agg_mode,
+                    loss_seqs_per_rank_ref=algo.loss_seqs_per_rank_ref,
+                    entropy_microbatches_ref=algo.entropy_microbatches_ref, max_response_length=max_response_length)
 
     def advantages(self, rewards: Tensor) -> Tensor:
         """A_i = r_i - mean_{j in G} r_j (Dr.GRPO), divided by the group std with `algo.adv_std_normalize`."""

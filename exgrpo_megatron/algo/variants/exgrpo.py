@@ -35,30 +35,17 @@ def experience_knobs(t: TrainerConfig) -> ExperienceKnobs:
 @register("exgrpo")
 @dataclass(frozen=True)
 class ExGRPO(GroupRelative):
-    name: str
     experience: ExperienceKnobs
-    adv_std_normalize: bool
-    clip_ratio: float
     shaping_beta: float
     policy_shaping: bool
     mixed_phase_clip: bool
     replay_is_correction: bool
-    entropy_coeff: float
-    loss_agg_mode: str
-    loss_seqs_per_rank_ref: float
-    entropy_microbatches_ref: float
-    max_response_length: int
 
     @classmethod
     def from_config(cls, name: str, algo: AlgoConfig, trainer: TrainerConfig, max_response_length: int) -> ExGRPO:
-        a = algo
-        return cls(
-            name=name, experience=experience_knobs(trainer), adv_std_normalize=a.adv_std_normalize,
-            clip_ratio=a.clip_ratio, shaping_beta=a.shaping_beta, policy_shaping=a.policy_shaping,
-            mixed_phase_clip=a.mixed_phase_clip, replay_is_correction=a.replay_is_correction,
-            entropy_coeff=a.entropy_coeff,
-            loss_agg_mode=a.loss_agg_mode, loss_seqs_per_rank_ref=a.loss_seqs_per_rank_ref,
-            entropy_microbatches_ref=a.entropy_microbatches_ref, max_response_length=max_response_length)
+        return cls(**cls.shared_settings(name, algo, max_response_length), experience=experience_knobs(trainer),
+                   shaping_beta=algo.shaping_beta, policy_shaping=algo.policy_shaping,
+                   mixed_phase_clip=algo.mixed_phase_clip, replay_is_correction=algo.replay_is_correction)
 
     def clips(self, phase: Phase) -> bool:
         """PPO clip on fresh tokens: in warm-up only (paper §D.1: the mixed phase is unclipped), unless

@@ -20,21 +20,9 @@ from exgrpo_megatron.experience.types import GroupOutcome
 @register("grpo")
 @dataclass(frozen=True)
 class GRPO(GroupRelative):
-    name: str
-    adv_std_normalize: bool
-    clip_ratio: float
-    entropy_coeff: float
-    loss_agg_mode: str
-    loss_seqs_per_rank_ref: float
-    entropy_microbatches_ref: float
-    max_response_length: int
-
     @classmethod
     def from_config(cls, name: str, algo: AlgoConfig, trainer: TrainerConfig, max_response_length: int) -> GRPO:
-        return cls(name=name, adv_std_normalize=algo.adv_std_normalize, clip_ratio=algo.clip_ratio,
-                   entropy_coeff=algo.entropy_coeff, loss_agg_mode=algo.loss_agg_mode,
-                   loss_seqs_per_rank_ref=algo.loss_seqs_per_rank_ref,
-                   entropy_microbatches_ref=algo.entropy_microbatches_ref, max_response_length=max_response_length)
+        return cls(**cls.shared_settings(name, algo, max_response_length))
 
     @property
     def experience(self) -> ExperienceKnobs | None:
