@@ -114,6 +114,23 @@ def read_root_manifest(path: Path) -> dict:
     return root
 
 
+def digests_problem(path: Path, root: dict, manifest_name: str, rank: int, world_size: int
+                    ) -> tuple[str, str] | None:
+    """(file, reason) of the first problem of `path` against a parsed manifest (its seal, then this rank's share
+    of the listed files: my_share), or None."""
+    digests = root.get(DIGESTS_KEY)
+    if root.get(SEAL_KEY) != manifest_seal(root) or not isinstance(digests, dict) or not digests:
+        return manifest_name, "its own sha256 does not match its content (corrupted manifest)"
+    return first_problem(path, digests, my_share(sorted(digests), rank, world_size))
+
+
+def first_problem_on_any_rank(problem: tuple[str, str] | None) -> tuple[str, str] | None:
+    """Every rank's verdict gathered: the first problem any rank found (all ranks agree), or None."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problem)
+    return next((p for p in gathered if p is not None), None)
+
+
 def verify_checkpoint(path: str | Path) -> dict:
     """Collective: check the size and sha256 of every file of checkpoint `path` against its manifest,
     each rank streaming its share of the files; returns the root manifest, or raises the same
@@ -123,19 +140,14 @@ def verify_checkpoint(path: str | Path) -> dict:
     root: dict = {}
     try:
         root = read_root_manifest(path)
-        digests = root.get(DIGESTS_KEY)
         if SEAL_KEY not in root and DIGESTS_KEY not in root:
             problem = (L.ROOT_MANIFEST, f"lists no per-file sizes and checksums ({DIGESTS_KEY}); written by an "
                                         "older version, cannot be verified")
-        elif root.get(SEAL_KEY) != manifest_seal(root) or not isinstance(digests, dict) or not digests:
-            problem = (L.ROOT_MANIFEST, "its own sha256 does not match its content (corrupted manifest)")
         else:
-            problem = first_problem(path, digests, my_share(sorted(digests), dist.get_rank(), dist.get_world_size()))
+            problem = digests_problem(path, root, L.ROOT_MANIFEST, dist.get_rank(), dist.get_world_size())
     except (CheckpointFormatError, OSError, KeyError, TypeError, AttributeError) as err:
         problem = (L.ROOT_MANIFEST, f"{type(err).__name__}: {err}")
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problem)
-    first = next((p for p in gathered if p is not None), None)
+    first = first_problem_on_any_rank(problem)
     if first is not None:
         raise CheckpointVerificationError(path, *first)
     _VERIFIED.add(path.resolve())
@@ -143,7 +155,6 @@ def verify_checkpoint(path: str | Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- weights-only directories
-
 
 
 def write_weights_manifest(path: str | Path) -> Path:
@@ -169,10 +180,7 @@ def weights_problem(path: Path, rank: int = 0, world_size: int = 1) -> tuple[str
     try:
         root = json.loads(manifest.read_text(encoding="utf-8"))
         check_format_version(root.get("format_version"), manifest)
-        digests = root.get(DIGESTS_KEY)
-        if root.get(SEAL_KEY) != manifest_seal(root) or not isinstance(digests, dict) or not digests:
-            return WEIGHTS_MANIFEST, "its own sha256 does not match its content (corrupted manifest)"
-        return first_problem(path, digests, my_share(sorted(digests), rank, world_size))
+        return digests_problem(path, root, WEIGHTS_MANIFEST, rank, world_size)
     except (ValueError, UnicodeDecodeError, CheckpointFormatError, OSError, KeyError, TypeError) as err:
         return WEIGHTS_MANIFEST, f"{type(err).__name__}: {err}"
 
@@ -184,8 +192,6 @@ def verify_weights_dir(path: str | Path) -> None:
     collective = dist.is_available() and dist.is_initialized()
     problem = weights_problem(path, *((dist.get_rank(), dist.get_world_size()) if collective else (0, 1)))
     if collective:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, problem)
-        problem = next((p for p in gathered if p is not None), None)
+        problem = first_problem_on_any_rank(problem)
     if problem is not None:
         raise CheckpointVerificationError(path, *problem)
