@@ -122,7 +122,10 @@ def code_version() -> str:
 def note_provenance(run: Run) -> None:
     """Append this launch's code version to the run's provenance (a resumed run lists every launch)."""
     path = os.path.join(run.run_dir, "provenance.json")
-    prov = json.load(open(path)) if os.path.isfile(path) else {"launches": []}
+    prov: dict = {"launches": []}
+    if os.path.isfile(path):
+        with open(path) as fh:
+            prov = json.load(fh)
     prov["launches"].append({"code_version": code_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                      time.gmtime())})
     with open(path, "w") as fh:
