@@ -90,12 +90,15 @@ DOMAINS: dict[str, Domain] = {
     "rollout.vllm.max_model_len": Domain(lo=1, none_ok=True), "rollout.vllm.sleep_level": Domain(lo=1, hi=2),
     "rollout.val_temperature": NON_NEGATIVE,  # 0 = greedy
     "rollout.val_top_p": PROBABILITY_MASS,
+    "rollout.max_staleness": NON_NEGATIVE,  # 0 = colocated, generate then train
+    "rollout.generator.threads": NON_NEGATIVE,  # 0 = torch's default
     # algo
     "algo.clip_ratio": POSITIVE, "algo.shaping_beta": POSITIVE, "algo.entropy_coeff": NON_NEGATIVE,
     "algo.skip_grad_bound": Domain(lo=0, lo_open=True, inf_ok=True),  # inf = never skip
     "algo.max_consecutive_skips": AT_LEAST_1, "algo.loss_seqs_per_rank_ref": POSITIVE,
     "algo.entropy_microbatches_ref": POSITIVE,
     "algo.max_refill_rounds": NON_NEGATIVE,  # 0 = a dropped group is not replaced
+    "algo.fresh_is_cap": NON_NEGATIVE,  # 0 = no truncated IS on fresh tokens
     # trainer
     "trainer.total_steps": AT_LEAST_1, "trainer.train_batch_size": AT_LEAST_1,
     "trainer.ppo_mini_batch_size": AT_LEAST_1, "trainer.micro_batch_max_tokens": AT_LEAST_1,

@@ -41,6 +41,11 @@ def resolve_old_logprobs_for(cfg: RootConfig) -> str:
     """`resolve_old_logprobs` for a run's config: the megatron engine's dtype is the policy's, the vLLM engine's is
     `rollout.vllm.dtype` as the engine factory resolves it (auto = the policy's parameter dtype)."""
     r = cfg.rollout
+    if r.max_staleness > 0:  # the engine's log-probs are those of weights up to max_staleness updates old
+        if cfg.algo.old_logprobs == "rollout":
+            raise ValueError(f"algo.old_logprobs: 'rollout' with rollout.max_staleness={r.max_staleness}: the "
+                             "generation log-probs are older weights'; pi_old must be recomputed (auto or recompute)")
+        return "recompute" if cfg.algo.old_logprobs in ("auto", "recompute") else cfg.algo.old_logprobs
     policy_dtype = resolve_params_dtype(cfg.model)
     dtype = vllm_dtype(r.vllm.dtype if r.engine == "vllm" else "auto", policy_dtype)
     return resolve_old_logprobs(cfg.algo.old_logprobs, r.engine, dtype, r.top_p, r.top_k)

@@ -39,8 +39,10 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def config_differences(saved_yaml: str, cfg: RootConfig) -> dict[str, tuple[Any, Any]]:
     """{key: (checkpoint value, current value)} of every leaf that differs (a key on one side only included). A
-    checkpoint written before a key was renamed has it under the old name (config/aliases.py): compared as the new."""
-    saved = {RENAMED_KEYS.get(k, k): v for k, v in flatten(yaml.safe_load(saved_yaml) or {}).items()}
+    checkpoint written before a key was renamed has it under the old name (config/aliases.py): compared as the new;
+    one written before a key existed ran at the key's default: compared as that."""
+    saved = flatten(dataclasses.asdict(RootConfig()))
+    saved.update({RENAMED_KEYS.get(k, k): v for k, v in flatten(yaml.safe_load(saved_yaml) or {}).items()})
     current = flatten(dataclasses.asdict(cfg))
     missing = object()
     out = {}

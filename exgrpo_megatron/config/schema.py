@@ -73,6 +73,15 @@ class VllmConfig:
 
 
 @dataclass
+class GeneratorConfig:
+    """The generation process of a run one or more steps off (rollout.max_staleness > 0)."""
+
+    device: str = "auto"  # auto (cpu; on GPU the first device after the node's trainer ranks) | cpu | cuda:N
+    threads: int = 0  # its torch threads; 0 = torch's default
+    cpu_cores: list[int] = field(default_factory=list)  # pin it to these cores (empty: inherit the launcher's)
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "megatron"  # megatron | vllm
     n: int = 8  # K rollouts per question
@@ -84,6 +93,8 @@ class RolloutConfig:
     val_temperature: float = 0.6
     val_top_p: float = 1.0
     vllm: VllmConfig = field(default_factory=VllmConfig)  # rollout.engine=vllm only
+    max_staleness: int = 0  # 0: generate then train (colocated); s > 0: a generator process runs s steps ahead
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # max_staleness > 0 only
 
 
 @dataclass
@@ -103,6 +114,7 @@ class AlgoConfig:
     policy_shaping: bool = True  # replay tokens: f(w) = w/(w+beta); false = plain IS ratio w ("w/o shaping")
     mixed_phase_clip: bool = False  # PPO clip on fresh tokens in the mixed phase too (paper §D.1: off)
     max_refill_rounds: int = 3  # extra generation rounds refilling groups the algorithm's filter dropped
+    fresh_is_cap: float = 0.0  # fresh tokens x min(pi_old / pi_behaviour, cap) (truncated IS); 0 = off
 
 
 @dataclass
@@ -217,6 +229,7 @@ _UPDATES = ("optimizer updates per step: the LR schedule's progress (counted in 
 # listed in checkpoint.allow_config_change.
 RESUME_REFUSED: dict[str, str] = {
     "algo.name": "switches the experience pool on or off: the saved pool would be dropped, or an empty one started",
+    "rollout.max_staleness": "the checkpoint holds the rollouts in flight for the saved staleness",
     "rollout.n": "the group size K: the pool's k-of-K records and buckets were counted for the saved K",
     "trainer.experience_lbound": "which questions the pool keeps (the saved pool was filtered with the old bound)",
     "trainer.experience_rbound": "which questions the pool keeps (the saved pool was filtered with the old bound)",

@@ -68,6 +68,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
 
     e.extend(vllm_config_errors(cfg))
     e.extend(_old_logprobs_errors(cfg))
+    e.extend(staleness_errors(cfg))
 
     if t.ppo_mini_batch_size > 0 and t.train_batch_size % t.ppo_mini_batch_size:
         e.append(f"trainer.ppo_mini_batch_size: train_batch_size={t.train_batch_size} is not divisible by "
@@ -109,6 +110,34 @@ def _old_logprobs_errors(cfg: RootConfig) -> list[str]:
     except ValueError as err:
         return [str(err)]
     return []
+
+
+def staleness_errors(cfg: RootConfig) -> list[str]:
+    """What a run generating `rollout.max_staleness` steps ahead needs (rollout/ahead.py)."""
+    r, e = cfg.rollout, []
+    if r.max_staleness <= 0:
+        return e
+    if cfg.algo.fresh_is_cap <= 0:
+        e.append(f"algo.fresh_is_cap: {cfg.algo.fresh_is_cap}: rollout.max_staleness={r.max_staleness} trains on "
+                 "tokens of older weights; their importance weight pi_old / pi_behaviour needs a cap > 0 (e.g. 2)")
+    if cfg.algo.max_refill_rounds > 0 and _filters_groups(cfg):
+        e.append(f"algo.name: {cfg.algo.name} filters groups and refills the batch, which needs the step's own "
+                 "rewards before generating more; not available with rollout.max_staleness > 0")
+    if r.generator.device not in ("auto", "cpu") and not r.generator.device.startswith("cuda"):
+        e.append(f"rollout.generator.device: {r.generator.device!r}: expected auto, cpu or cuda[:N]")
+    if cfg.parallel.virtual_pipeline_model_parallel_size is not None:
+        e.append("parallel.virtual_pipeline_model_parallel_size: rollout.max_staleness > 0 validates with the "
+                 "trainer's megatron engine, which takes one model chunk per stage")
+    return e
+
+
+def _filters_groups(cfg: RootConfig) -> bool:
+    from exgrpo_megatron.algo.registry import build_algorithm
+
+    try:
+        return bool(build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length).filters_groups)
+    except Exception:  # noqa: BLE001 - an unknown algo.name is reported by its own check
+        return False
 
 
 def vllm_config_errors(cfg: RootConfig) -> list[str]:
