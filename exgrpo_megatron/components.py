@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exgrpo_megatron.algo.protocol import ExperienceKnobs, RLAlgorithm
 from exgrpo_megatron.algo.registry import build_algorithm
@@ -20,7 +22,11 @@ from exgrpo_megatron.experience.schedule import ExperienceSchedule
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
 from exgrpo_megatron.policy.policy import Policy, updates_per_step
 from exgrpo_megatron.reward.grader import GraderPool
+from exgrpo_megatron.rollout.service import RolloutService
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
+
+if TYPE_CHECKING:
+    from exgrpo_megatron.rollout.ahead import AheadGeneration
 
 
 @dataclass(frozen=True)
@@ -64,11 +70,19 @@ class Components:
     pool: ShardedExperiencePool | None  # None: on-policy (the algorithm has no experience knobs)
     schedule: ExperienceSchedule  # the phase: warm-up -> collecting -> mixed
     policy: Policy
-    engine: RolloutEngine
-    grader: GraderPool
+    rollout: RolloutService  # this rank's engine + grader: generation and grading
     settings: StepSettings
     old_logprobs: str = "recompute"  # algo.old_logprobs resolved: recompute | rollout (policy/old_logprobs.py)
     dp_group: Any = None  # the data-parallel gloo group (CPU collectives), None with one DP rank
+    ahead: AheadGeneration | None = None  # rollout.max_staleness > 0: the generator process and the plans in flight
+
+    def close(self) -> None:
+        """Stop the processes this rank started (the grader's workers, the generator)."""
+        try:
+            if self.ahead is not None:
+                self.ahead.close()
+        finally:
+            self.rollout.close()
 
 
 def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
@@ -84,15 +98,25 @@ def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset
 
 
 def build_engine(cfg: RootConfig, policy: Policy, tokenizer: Tokenizer) -> RolloutEngine:
+    """The trainer's engine on the policy's own chunks. Generating ahead, the generator process holds the configured
+    engine; the trainer keeps the megatron engine on its weights for in-training validation."""
+    if cfg.rollout.max_staleness > 0:
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="megatron"))
+    return build_engine_for(cfg, policy.modules, tokenizer, lambda: policy.weights_version)
+
+
+def build_engine_for(cfg: RootConfig, chunks: list, tokenizer: Tokenizer,
+                     weights_version: Callable[[], int]) -> RolloutEngine:
+    """`rollout.engine` on these model chunks (`weights_version`: bumped when their weights change)."""
     from exgrpo_megatron.rollout.factory import build_rollout_engine
 
-    if cfg.rollout.engine == "megatron" and len(policy.modules) > 1:
+    if cfg.rollout.engine == "megatron" and len(chunks) > 1:
         raise ValueError("parallel.virtual_pipeline_model_parallel_size: the megatron rollout engine needs "
                          "one model chunk per stage; use rollout.engine=vllm with virtual pipelining")
     return build_rollout_engine(
-        cfg.rollout.engine, policy.modules, cfg.model, tokenizer, vllm=cfg.rollout.vllm, hf_dir=cfg.model.hf_path,
+        cfg.rollout.engine, chunks, cfg.model, tokenizer, vllm=cfg.rollout.vllm, hf_dir=cfg.model.hf_path,
         seed=cfg.seed, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-        max_batch_sequences=cfg.rollout.max_batch_sequences, weights_version=lambda: policy.weights_version)
+        max_batch_sequences=cfg.rollout.max_batch_sequences, weights_version=weights_version)
 
 
 def build_pool(knobs: ExperienceKnobs, group_size: int, dp_group: Any = None) -> ShardedExperiencePool:
@@ -118,10 +142,17 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
     start = knobs.delayed_start_pass_rate if knobs is not None else 0.0
     schedule = ExperienceSchedule(start, enabled=knobs is not None)
     policy = Policy(cfg)
+    ahead = None
+    if cfg.rollout.max_staleness > 0:
+        from exgrpo_megatron.rollout.ahead import AheadGeneration
+
+        replica0 = layout.dp_rank == 0 and ps.get_context_parallel_rank() == 0
+        ahead = AheadGeneration(cfg, layout.rank, gathers_weights=replica0, modules=policy.modules)
     return Components(
         cfg=cfg, layout=layout, tokenizer=tokenizer, train_data=train, val_data=val,
         sampler=PromptSampler(train.qids(), seed=cfg.seed, shuffle=cfg.data.shuffle),
         algorithm=algorithm, pool=pool, schedule=schedule, policy=policy,
-        engine=build_engine(cfg, policy, tokenizer), grader=GraderPool.from_config(cfg.reward),
-        settings=step_settings(cfg), old_logprobs=resolve_old_logprobs_for(cfg), dp_group=dp_group,
+        rollout=RolloutService(build_engine(cfg, policy, tokenizer), GraderPool.from_config(cfg.reward), tokenizer,
+                               cfg.reward.require_think),
+        settings=step_settings(cfg), old_logprobs=resolve_old_logprobs_for(cfg), dp_group=dp_group, ahead=ahead,
     )

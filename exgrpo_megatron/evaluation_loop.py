@@ -1,8 +1,7 @@
 """In-training validation: avg@k accuracy on the held-out set (paper: temperature 0.6).
 
-Grading overlaps generation as in a training step: each engine call's groups go to the grader pool as soon
-as they are generated (`StreamingGrading` as `generate_groups`' `on_chunk`), and the rewards come back in
-the same order as grading everything after generation.
+Generated and graded by the run's rollout service (rollout/service.py) as a training step is: grading overlaps
+generation, and the rewards come back in the same order as grading everything after generation.
 """
 
 from __future__ import annotations
@@ -13,21 +12,7 @@ import torch.distributed as dist
 from exgrpo_megatron.components import Components
 from exgrpo_megatron.data.datasets import PromptDataset
 from exgrpo_megatron.data.step_plan import QuestionGroup, local_groups
-from exgrpo_megatron.data.tokenizer import Tokenizer
-from exgrpo_megatron.reward.grader import GraderPool
-from exgrpo_megatron.reward.rollout_rewards import StreamingGrading
-from exgrpo_megatron.rollout.groups import generate_groups
-from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
-
-
-def validation_rewards(engine: RolloutEngine, grader: GraderPool, tokenizer: Tokenizer, groups: list[QuestionGroup],
-                       n: int, params: SamplingParams, require_think: bool) -> list[float]:
-    """n samples per group, graded while the next engine call generates; rewards flat, group by group."""
-    if not groups:
-        return []
-    grading = StreamingGrading(grader, tokenizer, groups, require_think)
-    generate_groups(engine, groups, n, params, on_chunk=grading.submit)
-    return grading.result().rewards
+from exgrpo_megatron.rollout.types import SamplingParams
 
 
 def validate_accuracy(c: Components, val_data: PromptDataset, step: int) -> dict[str, float]:
@@ -36,10 +21,7 @@ def validate_accuracy(c: Components, val_data: PromptDataset, step: int) -> dict
     mine = local_groups(groups, c.layout.dp_rank, c.layout.dp_size)
     params = SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=cfg.rollout.val_temperature,
                             top_p=cfg.rollout.val_top_p, stop_strings=list(cfg.rollout.stop), seed=10_007 + step)
-    c.engine.wake()
-    rewards = validation_rewards(c.engine, c.grader, c.tokenizer, mine, cfg.trainer.val_n, params,
-                                 cfg.reward.require_think)
-    c.engine.sleep()
+    rewards = c.rollout.rewards(mine, cfg.trainer.val_n, params)
     totals = torch.tensor([sum(rewards), float(len(rewards))], dtype=torch.float64)
     if c.layout.dp_size > 1:
         from megatron.core import parallel_state as ps

@@ -1,9 +1,10 @@
 """Everything around the step: resume, checkpoint, metrics/progress, validation, preemption.
 
 State that a checkpoint must carry to continue *exactly*: step, the experience schedule's phase, the prompt
-sampler's epoch/position, consecutive skipped updates, the pool shards, model + optimizer + LR schedule, and
-every RNG (checkpoint/ saves the last two groups). Checkpoints from before the schedule (a delayed-start
-"switch" and "collected_once") resume through `experience.schedule.legacy_state`.
+sampler's epoch/position, consecutive skipped updates, the pool shards, model + optimizer + LR schedule, every
+RNG (checkpoint/ saves the last two groups) and, generating ahead, the plans and rollouts in flight.
+Checkpoints from before the schedule (a delayed-start "switch" and "collected_once") resume through
+`experience.schedule.legacy_state`.
 """
 
 from __future__ import annotations
@@ -68,8 +69,11 @@ class RunState:
 
     # ------------------------------------------------------------------ checkpoint
     def trainer_state(self) -> dict:
-        return {"step": self.step, "consecutive_skips": self.consecutive_skips,
-                "schedule": self.c.schedule.state_dict(), "sampler": self.c.sampler.state_dict()}
+        state = {"step": self.step, "consecutive_skips": self.consecutive_skips,
+                 "schedule": self.c.schedule.state_dict(), "sampler": self.c.sampler.state_dict()}
+        if self.c.ahead is not None:  # the plans and rollouts in flight (rollout/ahead.py)
+            state["ahead"] = self.c.ahead.state_dict()
+        return state
 
     def save(self, step: int) -> None:
         if step == self.last_saved:
@@ -96,6 +100,8 @@ class RunState:
         schedule = ts["schedule"] if "schedule" in ts else legacy_state(ts["switch"], bool(ts["collected_once"]))
         c.schedule.load_state_dict(schedule)
         c.sampler.load_state_dict(ts["sampler"])
+        if c.ahead is not None:
+            c.ahead.load_state_dict(ts.get("ahead", {}))
         if c.pool is not None and loaded.pool_shards:
             states = [{"arrays": arrays, "meta": meta} for arrays, meta in loaded.pool_shards]
             c.pool.load_state_dicts(states)

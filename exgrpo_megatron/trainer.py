@@ -12,7 +12,6 @@ collecting -> mixed) is `c.schedule`'s; the algorithm (`c.algorithm`, `algo.name
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -31,71 +30,101 @@ from exgrpo_megatron.policy.objective import rl_loss_fn
 from exgrpo_megatron.policy.old_logprobs import old_logprobs, replay_current_logprobs
 from exgrpo_megatron.policy.scoring import make_scorer
 from exgrpo_megatron.policy.train_batch import TrainBatch, build_train_batch, micro_batches_for_update
-from exgrpo_megatron.reward.rollout_rewards import StreamingGrading, rewards_per_group
+from exgrpo_megatron.reward.rollout_rewards import rewards_per_group
+from exgrpo_megatron.rollout.ahead import AheadGeneration
 from exgrpo_megatron.rollout.group_filter import StepRollouts, filter_and_refill
-from exgrpo_megatron.rollout.groups import generate_groups
+from exgrpo_megatron.rollout.service import GeneratedGroups, step_seed
 from exgrpo_megatron.rollout.types import Sample
 from exgrpo_megatron.run_state import RunState
 from exgrpo_megatron.step_metrics import StepTimer, StepTotals, consecutive_skips_after, pop_mismatch, rollout_mismatch
 
 
-def step_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step) % (2**31)
-
-
-def rollout_seed(seed: int, step: int, refill_round: int) -> int:
-    """The sampling seed of a step's generation round (round 0: the step's seed; refill rounds their own)."""
-    return step_seed(seed, step) if refill_round == 0 else step_seed(seed * 7919 + refill_round, step)
-
-
 def train_step(c: Components, state: RunState, step: int) -> dict[str, float | str]:
-    """plan -> generate -> grade -> [filter + refill] -> batch -> pi_old -> update -> pool + schedule -> metrics."""
+    """plan -> generate -> grade -> [filter + refill] -> batch -> pi_old -> update -> pool + schedule -> metrics;
+    generating ahead (`c.ahead`): `train_step_ahead`."""
+    if c.ahead is not None:
+        return train_step_ahead(c, c.ahead, state, step)
     phase = c.schedule.phase
     totals, timer = StepTotals(c.dp_group), StepTimer()
     groups = plan_step(c, step, phase)
     mine = local_groups(groups, c.layout.dp_rank, c.layout.dp_size)
-    samples, grading, refit_seconds = generate(c, mine, step)
+    generated = generate(c, mine, step)
     timer.lap("generate")
-    graded = grading.result()  # time/reward: the grading not overlapped with generation
-    rollouts = StepRollouts.unfiltered(mine, samples, rewards_per_group(graded.rewards, samples))
+    graded = generated.grading.result()  # time/reward: the grading not overlapped with generation
+    rollouts = StepRollouts.unfiltered(mine, generated.samples, rewards_per_group(graded.rewards, generated.samples))
     timer.lap("reward")
     if c.algorithm.filters_groups:
         rollouts = refill_dropped_groups(c, rollouts, step)
         timer.lap("refill")
+    forward_rows = train_on(c, state, rollouts, phase, totals, timer, graded.n_worker_deaths)
+    collect_into_pool(c, rollouts, step)
+    timer.lap("pool")
+    out = step_report(c, totals, timer, phase, groups, forward_rows, generated.refit_seconds)
+    out["reward/grader_timeouts"] = float(graded.n_timeouts_killed)
+    if c.algorithm.filters_groups:
+        out.update({"filter/dropped_groups": float(rollouts.dropped), "filter/refill_rounds": float(rollouts.rounds)})
+    return out
+
+
+def train_step_ahead(c: Components, ahead: AheadGeneration, state: RunState, step: int) -> dict[str, float | str]:
+    """One step generating ahead (rollout/ahead.py): take step t's rollouts -> pool + schedule -> ask for step
+    t+s's (composed now, the current weights) -> batch -> pi_old -> update (the generator generates meanwhile)."""
+    totals, timer = StepTotals(c.dp_group), StepTimer()
+    for t in ahead.steps_to_plan(step):  # the run's first steps (all from the initial weights)
+        ahead.submit(t, c.schedule.phase.value, plan_step(c, t, c.schedule.phase), weights_step=step - 1)
+    planned, result = ahead.take(step)
+    timer.lap("generate")  # waiting for the generator
+    phase = Phase(planned.phase)
+    r, d = c.layout.dp_rank, c.layout.dp_size
+    rollouts = StepRollouts.unfiltered(planned.groups[r::d], result.samples[r::d], result.rewards[r::d])
+    collect_into_pool(c, rollouts, step)
+    nxt = step + ahead.staleness
+    ahead.submit(nxt, c.schedule.phase.value, plan_step(c, nxt, c.schedule.phase), weights_step=step - 1)
+    timer.lap("pool")
+    forward_rows = train_on(c, state, rollouts, phase, totals, timer, result.grader_worker_deaths)
+    out = step_report(c, totals, timer, phase, planned.groups, forward_rows, 0.0)
+    out.update({"reward/grader_timeouts": float(result.grader_timeouts),
+                "rollout/staleness": float(step - 1 - result.weights_step),
+                "time/generator_generate": result.generate_seconds, "time/generator_load_weights": result.load_seconds})
+    return out
+
+
+def train_on(c: Components, state: RunState, rollouts: StepRollouts, phase: Phase, totals: StepTotals,
+             timer: StepTimer, grader_deaths: int) -> int:
+    """batch -> pi_old -> the updates; returns the rows whose pi_old needed a forward pass here."""
     batch = build_train_batch(rollouts.samples, rollouts.rewards, c.algorithm.advantages)
-    totals.add_rollouts(batch, graded.n_worker_deaths)
+    totals.add_rollouts(batch, grader_deaths)
     forward_rows = set_old_logprobs(c, batch, rollouts.groups)
     totals.add_mismatch(*recomputed_mismatch(c, batch))
     timer.lap("old_logprobs")
     skipped = update_policy(c, batch, len(rollouts.groups), phase, totals)
     state.consecutive_skips = consecutive_skips_after(state.consecutive_skips, skipped)
     timer.lap("update")
-    collect_into_pool(c, rollouts, step)
-    all_rewards = [x for group_rewards in rollouts.graded_rewards for x in group_rewards]
-    c.schedule.end_step(solved_fraction(all_rewards, c.dp_group), step)
-    timer.lap("pool")
+    return forward_rows
+
+
+def step_report(c: Components, totals: StepTotals, timer: StepTimer, phase: Phase, groups: list[QuestionGroup],
+                forward_rows: int, refit_seconds: float) -> dict[str, float | str]:
     out: dict[str, float | str] = dict(totals.finish(c.algorithm.step_metrics))
     out.update({
         "phase": "warmup" if phase is Phase.WARMUP else "mixed",
         "experience/n_replayed": float(sum(g.replay is not None for g in groups)),
-        "reward/grader_timeouts": float(graded.n_timeouts_killed),
         "old_logprobs/forward_rows": float(totals.all_reduce_dp(torch.tensor([float(forward_rows)]))[0]),
         "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
     })
     out.update(step_times(timer, refit_seconds))
     out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(timer.total(), 1e-9)
-    if c.algorithm.filters_groups:
-        out.update({"filter/dropped_groups": float(rollouts.dropped), "filter/refill_rounds": float(rollouts.rounds)})
     if c.pool is not None:
         out.update(c.pool.stats())
     return out
 
 
 def step_times(timer: StepTimer, refit_seconds: float) -> dict[str, float]:
-    """time/*: generate (refit included), reward (grading not overlapped with generation), refill (filtering
-    algorithms), old_logprobs, train (old_logprobs + the updates), step."""
+    """time/*: generate (refit included; generating ahead: the wait for the generator), reward (grading not
+    overlapped with generation), refill (filtering algorithms), old_logprobs, train (old_logprobs + the updates),
+    pool (generating ahead: the pool, the schedule and the next plan), step."""
     t = timer.seconds
-    out = {"time/generate": t["generate"], "time/reward": t["reward"], "time/old_logprobs": t["old_logprobs"],
+    out = {"time/generate": t["generate"], "time/reward": t.get("reward", 0.0), "time/old_logprobs": t["old_logprobs"],
            "time/train": t["old_logprobs"] + t["update"], "time/step": timer.total(), "time/refit": refit_seconds}
     if "refill" in t:
         out["time/refill"] = t["refill"]
@@ -116,27 +145,19 @@ def plan_step(c: Components, step: int, phase: Phase) -> list[QuestionGroup]:
                         scorer=scorer)
 
 
-def generate(c: Components, mine: list[QuestionGroup], step: int, refill_round: int = 0
-             ) -> tuple[list[list[Sample]], StreamingGrading, float]:
-    """K samples per fresh question, K-1 + the stored trajectory per replayed one; each engine batch's groups go to
-    the grader pool as soon as they are done (graded while the next one generates). Returns the samples, the
-    grading under way and the seconds the engine spent refitting its weights (vLLM; part of time/generate)."""
+def generate(c: Components, mine: list[QuestionGroup], step: int, refill_round: int = 0) -> GeneratedGroups:
+    """K samples per fresh question, K-1 + the stored trajectory per replayed one, graded as they finish
+    (rollout/service.py)."""
     s = c.settings
-    params = replace(s.sampling, seed=rollout_seed(s.seed, step, refill_round))
-    grading = StreamingGrading(c.grader, c.tokenizer, mine, s.require_think)
-    refit_before = float(getattr(c.engine, "refit_seconds_total", 0.0))  # vLLM: refits before generating if stale
-    c.engine.wake()
-    samples = generate_groups(c.engine, mine, s.group_size, params, on_chunk=grading.submit)
-    c.engine.sleep()
-    return samples, grading, float(getattr(c.engine, "refit_seconds_total", 0.0)) - refit_before
+    return c.rollout.training_round(mine, s.group_size, s.sampling, s.seed, step, refill_round)
 
 
 def refill_dropped_groups(c: Components, first: StepRollouts, step: int) -> StepRollouts:
     """The algorithm's group filter over the graded groups, the batch refilled with fresh groups for at most
     `algo.max_refill_rounds` extra rounds (rollout/group_filter.py: the same decision on every DP rank)."""
     def generate_round(groups: list[QuestionGroup], refill_round: int) -> tuple[list[list[Sample]], list[list[float]]]:
-        samples, grading, _ = generate(c, groups, step, refill_round)
-        return samples, rewards_per_group(grading.result().rewards, samples)
+        generated = generate(c, groups, step, refill_round)
+        return generated.samples, rewards_per_group(generated.grading.result().rewards, generated.samples)
 
     def draw_fresh(n: int) -> list[QuestionGroup]:
         return compose_step(c.train_data, c.sampler, c.pool, replay_on=False, batch_size=n, experience_ratio=0.0,
@@ -186,9 +207,12 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase,
 
 
 def collect_into_pool(c: Components, rollouts: StepRollouts, step: int) -> None:
-    """What the pool learns from every group graded this step, trained on or not (nothing without a pool)."""
+    """What the pool learns from every group graded this step, trained on or not (nothing without a pool), then
+    the schedule's step end (its phase follows the step's solved fraction)."""
     if c.pool is not None:
         c.pool.update(pool_outcomes(c.algorithm, rollouts, step, collect=c.schedule.collects))
+    all_rewards = [x for group_rewards in rollouts.graded_rewards for x in group_rewards]
+    c.schedule.end_step(solved_fraction(all_rewards, c.dp_group), step)
 
 
 def pool_outcomes(algorithm: RLAlgorithm, rollouts: StepRollouts, step: int, collect: bool) -> list[GroupOutcome]:
@@ -219,7 +243,7 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None) -
     try:
         state = RunState.start(c, preemption)
     except BaseException:
-        c.grader.close()
+        c.close()
         raise
     try:
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
@@ -241,7 +265,7 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None) -
         return 0
     finally:
         state.close()
-        c.grader.close()
+        c.close()
 
 
 if __name__ == "__main__":  # pragma: no cover - use exgrpo_megatron.train

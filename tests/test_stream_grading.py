@@ -132,12 +132,12 @@ def test_chunks_are_graded_while_the_next_chunk_generates_with_identical_results
 
 
 def _validation_stream_vs_after() -> dict:
-    """In-training validation (evaluation_loop.validation_rewards) against the pre-streaming order: generate every
+    """In-training validation (the rollout service's `rewards`) against the pre-streaming order: generate every
     group, then grade them all (what validate_accuracy did before)."""
-    from exgrpo_megatron.evaluation_loop import validation_rewards
     from exgrpo_megatron.reward.grader import GraderPool
     from exgrpo_megatron.reward.rollout_rewards import submit_grading
     from exgrpo_megatron.rollout.groups import generate_groups
+    from exgrpo_megatron.rollout.service import RolloutService
     from exgrpo_megatron.rollout.types import SamplingParams
 
     tokenizer, engine = _tiny_engine()
@@ -145,8 +145,8 @@ def _validation_stream_vs_after() -> dict:
     groups = [g for g in _groups(tokenizer) if g.replay is None]  # validation has no replay
     with GraderPool(num_workers=2, timeout_seconds=2, hard_deadline_seconds=20.0) as pool:
         events: list[tuple[str, int]] = []
-        streamed = validation_rewards(_Recorder(engine, events), _Recorder(pool, events), tokenizer, groups, K,
-                                      params, require_think=False)
+        service = RolloutService(_Recorder(engine, events), _Recorder(pool, events), tokenizer, require_think=False)
+        streamed = service.rewards(groups, K, params)
         samples = generate_groups(engine, groups, K, params)
         after = pool.result(submit_grading(pool, tokenizer, groups, samples, require_think=False)).rewards
     return {"events": events, "streamed": streamed, "after": after}

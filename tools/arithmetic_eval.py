@@ -41,19 +41,15 @@ def _setup(cfg):
 def correct_counts(c, dataset, qids: list[int], k: int, temperature: float, seed: int) -> list[int]:
     """#correct of k samples for each question (batched through the rollout engine and the grader pool)."""
     from exgrpo_megatron.data.step_plan import QuestionGroup
-    from exgrpo_megatron.reward.rollout_rewards import submit_grading
-    from exgrpo_megatron.rollout.groups import generate_groups
     from exgrpo_megatron.rollout.types import SamplingParams
 
     cfg = c.cfg
     groups = [QuestionGroup(q, dataset[q].prompt_ids, dataset[q].answer) for q in qids]
     params = SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=temperature,
                             top_p=1.0, stop_strings=list(cfg.rollout.stop), seed=seed)
-    c.engine.wake()
-    samples = generate_groups(c.engine, groups, k, params)
-    c.engine.sleep()
-    rewards = c.grader.result(submit_grading(c.grader, c.tokenizer, groups, samples, cfg.reward.require_think)).rewards
-    flat = iter(rewards)
+    generated = c.rollout.generate(groups, k, params)
+    samples = generated.samples
+    flat = iter(generated.grading.result().rewards)
     return [int(sum(next(flat) == 1.0 for _ in s)) for s in samples]
 
 

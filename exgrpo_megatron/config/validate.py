@@ -114,7 +114,7 @@ def _old_logprobs_errors(cfg: RootConfig) -> list[str]:
 
 def staleness_errors(cfg: RootConfig) -> list[str]:
     """What a run generating `rollout.max_staleness` steps ahead needs (rollout/ahead.py)."""
-    r, e = cfg.rollout, []
+    r, e = cfg.rollout, list[str]()
     if r.max_staleness <= 0:
         return e
     if cfg.algo.fresh_is_cap <= 0:

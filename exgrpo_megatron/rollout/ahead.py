@@ -1,0 +1,208 @@
+"""Generating ahead of training (`rollout.max_staleness` = s > 0), the trainer's side.
+
+The schedule is fixed, so a run is reproducible: at the start of step t the trainer takes step t's rollouts,
+adds them to the pool, composes step t+s's plan (the pool, the phase and the replay scorer as they are now) and
+sends it to the generator with its current weights -- those after step t-1 -- then trains step t while the
+generator generates. Step t therefore trains on rollouts of the weights after step t-s-1, s updates older than
+pi_old (fewer in the first s steps, which all use the initial weights); the trainer waits only for what it has
+not received yet. Which weights score a plan's replay candidates: the trainer's when the plan is composed (after
+step t-1), the ones its fresh rollouts come from.
+
+In flight at a checkpoint: the plans of steps t+1..t+s and their rollouts. Saving waits for those rollouts and
+stores them with the plans in the checkpoint's trainer state, so a resumed run trains on exactly the rollouts an
+uninterrupted one would (they are never regenerated: the weights they came from are not in the checkpoint).
+
+Only the trainer's global rank 0 talks to the generator (rollout/link.py); it broadcasts each step's rollouts to
+every rank, and each DP rank trains on its share. The weights are gathered to full tensors by the ranks of DP
+replica 0 (rollout/refit.py), in the dtype they train in.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.config.validate import ConfigError
+from exgrpo_megatron.data.step_plan import QuestionGroup
+from exgrpo_megatron.distributed.launch_env import free_local_port
+from exgrpo_megatron.experience.types import Trajectory
+from exgrpo_megatron.rollout.generator import RolloutRequest, RolloutResult, WeightBucket, serve
+from exgrpo_megatron.rollout.link import TRAINER, Link
+from exgrpo_megatron.rollout.refit import iter_full_param_buckets
+from exgrpo_megatron.rollout.types import Sample
+
+WEIGHT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass
+class Planned:
+    """A step whose rollouts were asked for: its plan (identical on every rank)."""
+
+    phase: str  # the schedule's phase when it was composed (its loss's phase)
+    groups: list[QuestionGroup]
+
+
+def generator_device(spec: str) -> int | None:
+    """rollout.generator.device -> the CUDA index (None: CPU); auto = CPU, or on GPU the first device after this
+    node's trainer ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return None
+    index = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if spec == "auto" else int(spec.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError([f"rollout.generator.device: {spec!r} is cuda:{index}, but this node has "
+                           f"{torch.cuda.device_count()} GPUs (start fewer trainer ranks per node, or name a device)"])
+    return index
+
+
+class AheadGeneration:
+    def __init__(self, cfg: RootConfig, rank: int, gathers_weights: bool, modules: list[torch.nn.Module]) -> None:
+        self.staleness = cfg.rollout.max_staleness
+        self.main = rank == 0
+        self.gathers_weights = gathers_weights  # a rank of DP replica 0 (CP rank 0)
+        self.modules = modules
+        self.generator_weights_step: int | None = None  # what the generator holds (the same on every rank)
+        self.planned: dict[int, Planned] = {}  # asked for, not yet taken (the same on every rank)
+        self.restored: dict[int, RolloutResult] = {}  # rank 0: in-flight rollouts read from a checkpoint
+        self.results: dict[int, RolloutResult] = {}  # rank 0: answers received
+        self.error: BaseException | None = None
+        self.ready = threading.Condition()
+        self.requests: queue.Queue = queue.Queue()
+        if self.main:
+            port = free_local_port()
+            self.process = mp.get_context("spawn").Process(
+                target=serve, args=(cfg, "127.0.0.1", port, generator_device(cfg.rollout.generator.device)),
+                name="exgrpo-generator")
+            self.process.start()
+            self.link = Link("127.0.0.1", port, TRAINER)
+            self.link.recv_object()  # "ready": the generator built its model, engine and grader
+            self.thread = threading.Thread(target=self._serve_requests, name="exgrpo-generator-link", daemon=True)
+            self.thread.start()
+
+    # ---------------------------------------------------------------- the schedule
+    def steps_to_plan(self, step: int) -> list[int]:
+        """Steps step..step+s-1 with no plan yet (at the start of a run: all of them; after a resume: none)."""
+        return [t for t in range(step, step + self.staleness) if t not in self.planned]
+
+    def submit(self, step: int, phase: str, groups: list[QuestionGroup], weights_step: int) -> None:
+        """Ask for step `step`'s rollouts from the weights after `weights_step` steps (the current ones). Collective
+        over DP replica 0 when the generator does not hold those weights yet."""
+        flats: list[torch.Tensor] = []
+        buckets: list[WeightBucket] | None = None
+        if weights_step != self.generator_weights_step:
+            if self.gathers_weights:
+                buckets = []
+                for bucket in iter_full_param_buckets(self.modules, WEIGHT_BUCKET_BYTES):
+                    buckets.append(([(name, tuple(t.shape)) for name, t in bucket], bucket[0][1].dtype))
+                    flats.append(torch.cat([t.detach().reshape(-1).cpu() for _, t in bucket]))  # a snapshot
+            self.generator_weights_step = weights_step
+        self.planned[step] = Planned(phase, groups)
+        if self.main:
+            self.requests.put((RolloutRequest(step, groups, weights_step, buckets), flats))
+
+    def take(self, step: int) -> tuple[Planned, RolloutResult]:
+        """Step `step`'s plan and rollouts on every rank (rank 0 waits for them, then broadcasts)."""
+        planned = self.planned.pop(step)
+        payload: list[Any] = [self._wait_for(step) if self.main else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        return planned, payload[0]
+
+    def _wait_for(self, step: int) -> RolloutResult:
+        if step in self.restored:
+            return self.restored.pop(step)
+        with self.ready:
+            self.ready.wait_for(lambda: step in self.results or self.error is not None)
+            if self.error is not None:
+                raise RuntimeError(f"the generator failed: {self.error}") from self.error
+            return self.results.pop(step)
+
+    def _serve_requests(self) -> None:
+        try:
+            while (item := self.requests.get()) is not None:
+                request, flats = item
+                self.link.send_object(request)
+                for flat in flats:
+                    self.link.send_tensor(flat)
+                result = self.link.recv_object()
+                with self.ready:
+                    self.results[result.step] = result
+                    self.ready.notify_all()
+            self.link.send_object(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which raises it
+            with self.ready:
+                self.error = exc
+                self.ready.notify_all()
+
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """The plans in flight and (rank 0, waiting for them) their rollouts, JSON-able."""
+        steps = sorted(self.planned)
+        results = {t: self._wait_for_keep(t) for t in steps} if self.main else {}
+        return {"in_flight": [{"step": t, "phase": self.planned[t].phase,
+                               "groups": [_group_json(g) for g in self.planned[t].groups],
+                               "result": _result_json(results[t]) if self.main else None} for t in steps]}
+
+    def _wait_for_keep(self, step: int) -> RolloutResult:
+        result = self._wait_for(step)
+        self.restored[step] = result  # still to be taken
+        return result
+
+    def load_state_dict(self, state: dict) -> None:
+        for entry in state.get("in_flight", []):
+            step = int(entry["step"])
+            self.planned[step] = Planned(entry["phase"], [_group_from_json(g) for g in entry["groups"]])
+            if self.main:
+                self.restored[step] = _result_from_json(entry["result"])
+
+    def close(self) -> None:
+        if not self.main:
+            return
+        self.requests.put(None)
+        self.thread.join(timeout=60)
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+# -------------------------------------------------------------------- JSON (floats round-trip exactly)
+def _group_json(g: QuestionGroup) -> dict:
+    replay = None if g.replay is None else {"token_ids": g.replay.token_ids.tolist(),
+                                            "logprobs": g.replay.logprobs.tolist(), "step": g.replay.step}
+    current = None if g.replay_current_logprobs is None else np.asarray(g.replay_current_logprobs).tolist()
+    return {"qid": g.qid, "prompt_ids": list(g.prompt_ids), "answer": g.answer, "replay": replay,
+            "bucket": g.bucket, "replay_current_logprobs": current,
+            "current_dtype": None if current is None else str(np.asarray(g.replay_current_logprobs).dtype)}
+
+
+def _group_from_json(d: dict) -> QuestionGroup:
+    r = d["replay"]
+    replay = None if r is None else Trajectory(np.asarray(r["token_ids"], dtype=np.int32),
+                                               np.asarray(r["logprobs"], dtype=np.float32), int(r["step"]))
+    current = d["replay_current_logprobs"]
+    return QuestionGroup(int(d["qid"]), list(d["prompt_ids"]), d["answer"], replay, d["bucket"],
+                         None if current is None else np.asarray(current, dtype=d["current_dtype"]))
+
+
+def _result_json(r: RolloutResult) -> dict:
+    return {"step": r.step, "weights_step": r.weights_step, "rewards": r.rewards,
+            "samples": [[{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "logprobs": s.logprobs,
+                          "finish_reason": s.finish_reason, "is_replay": s.is_replay} for s in g] for g in r.samples],
+            "generate_seconds": r.generate_seconds, "load_seconds": r.load_seconds,
+            "grader_timeouts": r.grader_timeouts, "grader_worker_deaths": r.grader_worker_deaths}
+
+
+def _result_from_json(d: dict) -> RolloutResult:
+    samples = [[Sample(list(s["prompt_ids"]), list(s["response_ids"]), [float(x) for x in s["logprobs"]],
+                       s["finish_reason"], bool(s["is_replay"])) for s in g] for g in d["samples"]]
+    return RolloutResult(int(d["step"]), samples, [[float(x) for x in g] for g in d["rewards"]],
+                         int(d["weights_step"]), float(d["generate_seconds"]), float(d["load_seconds"]),
+                         int(d["grader_timeouts"]), int(d["grader_worker_deaths"]))

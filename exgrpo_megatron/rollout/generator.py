@@ -1,0 +1,137 @@
+"""The generator process of a run generating ahead of training (`rollout.max_staleness` > 0).
+
+A process of its own (started by the trainer's global rank 0, rollout/ahead.py): its own one-rank world with a
+TP=1 copy of the policy's model (no optimizer), the configured rollout engine on it (`rollout.engine`: the
+megatron KV-cache engine, or vLLM refitted from this copy) and its own grader pool. It serves requests over the
+link (rollout/link.py) one at a time, in order: a request carries one step's question groups and, when the
+trainer's weights changed since the last request, those weights (full TP=1 tensors, bucket by bucket); the
+answer is the step's samples and rewards, generated at the step's own seed (rollout/service.py), so the rollouts
+of a step depend only on its groups and the weights it names -- never on timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.data.step_plan import QuestionGroup
+from exgrpo_megatron.rollout.link import GENERATOR, Link
+from exgrpo_megatron.rollout.types import Sample
+
+WeightBucket = tuple[list[tuple[str, tuple[int, ...]]], torch.dtype]  # ((name, full shape) of each tensor, dtype)
+
+
+@dataclass
+class RolloutRequest:
+    step: int  # the training step these rollouts are for
+    groups: list[QuestionGroup]  # the step's whole batch (every DP rank's share)
+    weights_step: int  # the weights to generate with: the policy's after this many training steps
+    weight_buckets: list[WeightBucket] | None  # new weights follow as one flat tensor per bucket; None: unchanged
+
+
+@dataclass
+class RolloutResult:
+    step: int
+    samples: list[list[Sample]]  # per group, in the request's order
+    rewards: list[list[float]]
+    weights_step: int
+    generate_seconds: float  # generation + grading not overlapped with it, in the generator
+    load_seconds: float  # receiving and loading the weights
+    grader_timeouts: int
+    grader_worker_deaths: int
+
+
+def generator_parallel(cfg: RootConfig) -> RootConfig:
+    """The generator's config: the run's, on one rank (TP = PP = CP = 1, no virtual stages)."""
+    p = dataclasses.replace(cfg.parallel, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                            virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
+                            sequence_parallel=False)
+    return dataclasses.replace(cfg, parallel=p)
+
+
+def load_full_weights(params: dict[str, torch.nn.Parameter], named: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy full (TP=1-layout) tensors into the model's parameters by global name. The vocabulary rows are padded
+    to a multiple that depends on the trainer's TP, so an embedding or output layer copies the rows both have (the
+    padding rows are never sampled: rollout/sampling.py masks ids >= the real vocabulary)."""
+    with torch.no_grad():
+        for name, tensor in named:
+            p = params[name]
+            if p.shape == tensor.shape:
+                p.copy_(tensor)
+            elif p.shape[1:] == tensor.shape[1:]:
+                rows = min(p.shape[0], tensor.shape[0])
+                p[:rows].copy_(tensor[:rows])
+            else:
+                raise ValueError(f"{name}: trainer sent shape {tuple(tensor.shape)}, generator has {tuple(p.shape)}")
+
+
+def receive_weights(link: Link, buckets: list[WeightBucket], params: dict[str, torch.nn.Parameter]) -> None:
+    for metas, dtype in buckets:
+        flat = link.recv_tensor(sum(_numel(shape) for _, shape in metas), dtype)
+        named, offset = [], 0
+        for name, shape in metas:
+            n = _numel(shape)
+            named.append((name, flat[offset: offset + n].view(shape)))
+            offset += n
+        load_full_weights(params, named)
+
+
+def serve(cfg: RootConfig, host: str, port: int, device_index: int | None) -> None:
+    """The process's body: set up, announce readiness, answer requests until the trainer sends None."""
+    g = cfg.rollout.generator
+    if g.cpu_cores:
+        os.sched_setaffinity(0, g.cpu_cores)
+    if g.threads:
+        torch.set_num_threads(g.threads)
+    link = Link(host, port, GENERATOR)
+    from exgrpo_megatron.components import build_engine_for, step_settings
+    from exgrpo_megatron.data.tokenizer import load_tokenizer
+    from exgrpo_megatron.distributed.launch_env import LaunchEnv, free_local_port
+    from exgrpo_megatron.distributed.runtime import destroy_distributed, init_distributed
+    from exgrpo_megatron.model.builder import build_gpt_model
+    from exgrpo_megatron.model.param_layout import named_global_params
+    from exgrpo_megatron.reward.grader import GraderPool
+    from exgrpo_megatron.reward.rollout_rewards import rewards_per_group
+    from exgrpo_megatron.rollout.service import RolloutService
+
+    own = LaunchEnv(0, 1, device_index or 0, "127.0.0.1", free_local_port(), "single")
+    os.environ.update(MASTER_ADDR=own.master_addr, MASTER_PORT=str(own.master_port))  # not the trainer's world
+    cfg = generator_parallel(cfg)
+    init_distributed(1, 1, None, 1, seed=cfg.seed, env=own)
+    model = build_gpt_model(cfg.model, cfg.parallel)
+    model.eval()
+    params = dict(named_global_params([model], tied_copy=False))
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
+    version = [0]
+    service = RolloutService(build_engine_for(cfg, [model], tokenizer, lambda: version[0]),
+                             GraderPool.from_config(cfg.reward), tokenizer, cfg.reward.require_think)
+    s = step_settings(cfg)
+    try:
+        link.send_object("ready")
+        while (request := link.recv_object()) is not None:
+            start = time.perf_counter()
+            if request.weight_buckets is not None:
+                receive_weights(link, request.weight_buckets, params)
+                version[0] += 1  # vLLM refits from the copy before it next generates
+            loaded = time.perf_counter()
+            generated = service.training_round(request.groups, s.group_size, s.sampling, s.seed, request.step)
+            graded = generated.grading.result()
+            rewards = rewards_per_group(graded.rewards, generated.samples)
+            link.send_object(RolloutResult(request.step, generated.samples, rewards, request.weights_step,
+                                           time.perf_counter() - loaded, loaded - start, graded.n_timeouts_killed,
+                                           graded.n_worker_deaths))
+    finally:
+        service.close()
+        destroy_distributed()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
