@@ -1,7 +1,7 @@
 """What the group-relative policy-gradient variants share (GRPO, ExGRPO and those built on them): their common
 settings (read from the config in one place, `shared_settings`), group-mean advantages, keep-every-group, the loss
-normalisers and the declared step metrics. A variant adds its own fields and overrides what it changes
-(algo/variants/)."""
+normalisers, the truncated importance weights of fresh tokens and the declared step metrics. A variant adds its
+own fields and overrides what it changes (algo/variants/)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from exgrpo_megatron.algo.advantages import group_advantages
-from exgrpo_megatron.algo.loss import loss_normalisers, metric_reduce_op, summarize_loss_metrics
+from exgrpo_megatron.algo.loss import (
+    TruncatedIS,
+    loss_normalisers,
+    metric_reduce_op,
+    summarize_loss_metrics,
+    truncated_is_weight,
+)
 from exgrpo_megatron.config.schema import AlgoConfig
 
 
@@ -28,6 +35,7 @@ class GroupRelative:
     loss_seqs_per_rank_ref: float
     entropy_microbatches_ref: float
     max_response_length: int
+    fresh_is_cap: float  # > 0: fresh tokens' loss x min(pi_old / pi_engine, cap); 0: off
     filters_groups = False
 
     @staticmethod
@@ -36,7 +44,8 @@ class GroupRelative:
         return dict(name=name, adv_std_normalize=algo.adv_std_normalize, clip_ratio=algo.clip_ratio,
                     entropy_coeff=algo.entropy_coeff, loss_agg_mode=algo.loss_agg_mode,
                     loss_seqs_per_rank_ref=algo.loss_seqs_per_rank_ref,
-                    entropy_microbatches_ref=algo.entropy_microbatches_ref, max_response_length=max_response_length)
+                    entropy_microbatches_ref=algo.entropy_microbatches_ref, max_response_length=max_response_length,
+                    fresh_is_cap=algo.fresh_is_cap)
 
     def advantages(self, rewards: Tensor) -> Tensor:
         """A_i = r_i - mean_{j in G} r_j (Dr.GRPO), divided by the group std with `algo.adv_std_normalize`."""
@@ -49,6 +58,18 @@ class GroupRelative:
     def normalisers(self, num_tokens_global: float, num_seqs_global: float) -> tuple[float, float]:
         return loss_normalisers(num_tokens_global, num_seqs_global, self.loss_agg_mode, self.max_response_length,
                                 self.loss_seqs_per_rank_ref, self.entropy_microbatches_ref)
+
+    def fresh_is_weights(self, old_logprobs: Tensor, generation_logprobs: Tensor, replay: Tensor
+                         ) -> TruncatedIS | None:
+        """Truncated IS weights of fresh tokens, min(exp(logp_old - logp_generation), fresh_is_cap)
+        (`loss.truncated_is_weight`); None when the cap is 0. `replay` ([B] or [B, T]) marks the rows whose
+        `generation_logprobs` are recorded behaviour log-probs, not the engine's: their weight is 1 (the loss
+        applies the weight to fresh tokens only)."""
+        if self.fresh_is_cap <= 0:
+            return None
+        rep = replay if replay.dim() == old_logprobs.dim() else replay.unsqueeze(-1).expand_as(old_logprobs)
+        gen = torch.where(rep.bool(), old_logprobs, generation_logprobs)
+        return truncated_is_weight(old_logprobs, gen, self.fresh_is_cap)
 
     def metric_reduce_op(self, key: str) -> str:
         return metric_reduce_op(key)
@@ -66,4 +87,6 @@ class GroupRelative:
             "replay/token_fraction": loss.get("replay_token_fraction", 0.0),
             "loss/clip_fraction": loss.get("clip_fraction", 0.0),
             "loss/approx_kl": loss.get("approx_kl", 0.0),
+            "rollout/is_weight_mean": loss.get("fresh_is_weight_mean", 0.0),
+            "rollout/is_truncated_fraction": loss.get("fresh_is_truncated_fraction", 0.0),
         }

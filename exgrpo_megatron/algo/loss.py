@@ -9,6 +9,8 @@ Per-token loss l_t (no KL term; the original has none):
   fresh tokens (P=0), rho = exp(logp - logp_old):
     warm-up phase:  l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps)),  eps = 0.2  (standard PPO clip)
     mixed phase:    l = -A*rho                                   (unclipped, paper §D.1)
+    with algo.fresh_is_cap = C > 0, either phase:  l <- v * l,  v = min(exp(logp_old - logp_gen), C)  detached
+                                                   (truncated IS against the rollout engine; `truncated_is_weight`)
   replayed tokens (P=1), w = exp(logp - logp_behaviour):
     l = -A*f(w),  f(w) = w / (w + beta),  beta = 0.1              (policy shaping, Eq. 4)
     l = -A*w      with algo.policy_shaping=false                  (plain unclipped IS: paper Tab. 6 "w/o shaping";
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -159,6 +162,28 @@ def replay_token_loss(log_w: Tensor, advantages: Tensor, beta: float = 0.1, shap
     return -advantages * replay_weight(log_w, beta, shaping)
 
 
+class TruncatedIS(NamedTuple):
+    """Per-token truncated importance weights of fresh tokens and where the cap bound them."""
+
+    weight: Tensor  # min(pi_old / pi_behaviour, cap), no gradient
+    truncated: Tensor  # bool: pi_old / pi_behaviour > cap
+
+
+def truncated_is_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> TruncatedIS:
+    """Truncated importance sampling (Ionides 2008) of the trainer's pi_old against the policy that sampled the
+    tokens (the rollout engine's log-probs: a different numeric engine, or weights `rollout.max_staleness` steps
+    older):
+        v = min(exp(logp_old - logp_behaviour), cap),  detached (a constant factor of the token's loss)
+    as used for rollout/trainer mismatch and stale rollouts by Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training", verl's rollout correction and slime's `--use-tis`. The cap bounds
+    the variance the ratio adds; `truncated` marks the tokens where it binds. Computed in the inputs' dtype."""
+    if cap <= 0:
+        raise ValueError(f"truncated IS cap must be > 0, got {cap}")
+    with torch.no_grad():
+        ratio = torch.exp(old_logprobs.detach() - behaviour_logprobs.detach())
+        return TruncatedIS(torch.clamp(ratio, max=cap), ratio > cap)
+
+
 def approx_kl_k3(log_ratio: Tensor) -> Tensor:
     """k3 estimator of KL(pi_old || pi_theta) from tokens sampled under pi_old: exp(r) - 1 - r, r = logp - logp_old."""
     return torch.expm1(log_ratio) - log_ratio
@@ -180,6 +205,7 @@ def exgrpo_loss(
     entropy_coeff: float = 0.001,
     pg_normaliser: float,
     entropy_normaliser: float,
+    fresh_is_weights: TruncatedIS | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """ExGRPO loss of one micro-batch (formulas in the module docstring).
 
@@ -191,6 +217,8 @@ def exgrpo_loss(
     mixed_phase: False = warm-up (PPO clip on fresh tokens), True = mixed (unclipped).
     policy_shaping: True = f(w) on replayed tokens, False = the plain ratio w (`replay_weight`).
     pg_normaliser, entropy_normaliser: from `loss_normalisers` on DP-global counts.
+    fresh_is_weights: `truncated_is_weight` per token [B, T]; fresh tokens' loss is multiplied by its weight
+    (replayed tokens keep f(w) against their behaviour log-probs). None: no correction (the weight-free code path).
 
     Returns (loss, metrics). Metrics are detached float64 scalars meant to be reduced over micro-batches and DP
     ranks: keys ending in `_max` with MAX, all others with SUM; `summarize_loss_metrics` turns them into means.
@@ -206,6 +234,12 @@ def exgrpo_loss(
     log_w = torch.where(replay, logprobs - behaviour_logprobs, zero)
 
     fresh_loss, clipped = fresh_token_loss(log_rho, adv, clip=not mixed_phase, clip_ratio=clip_ratio)
+    if fresh_is_weights is not None:  # 1 off fresh tokens, so padding or replay values never reach the product
+        is_weight = torch.where(fresh, fresh_is_weights.weight.detach().to(logprobs.dtype), torch.ones_like(zero))
+        is_truncated = fresh_is_weights.truncated.bool() & fresh
+        fresh_loss = fresh_loss * is_weight
+    else:
+        is_weight, is_truncated = torch.zeros_like(zero), torch.zeros_like(fresh)
     replay_loss = replay_token_loss(log_w, adv, beta=shaping_beta, shaping=policy_shaping)
     token_loss = torch.where(replay, replay_loss, torch.where(fresh, fresh_loss, zero))
     pg_loss = token_loss.sum() / pg_normaliser
@@ -234,6 +268,8 @@ def exgrpo_loss(
             "replay_shaped_weight_sum": torch.where(replay, replay_weight(log_w, shaping_beta, policy_shaping),
                                                     zero).sum(),
             "entropy_sum": entropy_sum,
+            "fresh_is_weight_sum": torch.where(fresh, is_weight, zero).sum(),  # 0 without a correction
+            "fresh_is_truncated_count": is_truncated.sum(),
         }
         metrics = {k: v.detach().to(torch.float64) for k, v in metrics.items()}
     return loss, metrics
@@ -263,6 +299,8 @@ def summarize_loss_metrics(reduced: Mapping[str, float | Tensor]) -> dict[str, f
         "replay_weight_max": v["replay_weight_max"],
         "replay_shaped_weight_mean": ratio("replay_shaped_weight_sum", "replay_token_count"),
         "entropy_mean": ratio("entropy_sum", "token_count"),
+        "fresh_is_weight_mean": ratio("fresh_is_weight_sum", "fresh_token_count"),
+        "fresh_is_truncated_fraction": ratio("fresh_is_truncated_count", "fresh_token_count"),
     }
 
 

@@ -60,13 +60,15 @@ class ExGRPO(GroupRelative):
              generation_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
              normalisers: tuple[float, float]) -> tuple[Tensor, dict[str, Tensor]]:
         """`loss.exgrpo_loss`; `generation_logprobs`: the engine's, on replayed rows the recorded behaviour
-        log-probs."""
+        log-probs (the replay ratio's denominator there; on fresh rows the truncated IS weight's with
+        `algo.fresh_is_cap` > 0)."""
         behaviour = self.behaviour_logprobs(old_logprobs, generation_logprobs, replay)
         return exgrpo_loss(
             logprobs, old_logprobs, behaviour, advantages, response_mask, replay, entropy,
             mixed_phase=not self.clips(phase), clip_ratio=self.clip_ratio, shaping_beta=self.shaping_beta,
             policy_shaping=self.policy_shaping, entropy_coeff=self.entropy_coeff,
-            pg_normaliser=normalisers[0], entropy_normaliser=normalisers[1])
+            pg_normaliser=normalisers[0], entropy_normaliser=normalisers[1],
+            fresh_is_weights=self.fresh_is_weights(old_logprobs, generation_logprobs, replay))
 
     def pool_outcome(self, qid: int, responses: Sequence[GradedResponse], step: int,
                      collect: bool) -> GroupOutcome | None:
