@@ -2,6 +2,7 @@
 
     exgrpo-train --config-name exgrpo_7b trainer.experience_ratio=0.25 ++parallel.tensor_model_parallel_size=4
     exgrpo-train --config-name exgrpo_7b --dry-run --world-size 16     # validate + print the plan, no model
+    exgrpo-train --config-name exgrpo_7b --dry-run --world-size 16 --phase-times runs/exgrpo_7b-1234
 
 Every rank runs this same entry point (torchrun or srun). The preemption handler is installed first
 (before any slow import): SIGTERM / SIGUSR1 at any moment of start-up exits REQUEUE_EXIT_CODE (75). The
@@ -33,6 +34,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--dry-run", action="store_true", help="validate and print the plan; build nothing")
     parser.add_argument("--world-size", type=int, default=None,
                         help="world size to validate against (default: from torchrun/Slurm, else 1)")
+    parser.add_argument("--phase-times", metavar="RUN_DIR", default=None,
+                        help="dry run: the generate/train seconds of the generation-ahead plan from this run's "
+                             "metrics.jsonl (default: a documented ratio, config/generation_split.py)")
     return parser.parse_known_args(argv)
 
 
@@ -67,8 +71,14 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
         return EXIT_INVALID_CONFIG
     if args.dry_run or cfg.dry_run:
         from exgrpo_megatron.config.dry_run import dry_run_report
+        from exgrpo_megatron.config.generation_split import read_phase_times
 
-        print(dry_run_report(cfg, world_size, replays=algorithm.experience is not None))
+        try:
+            times = read_phase_times(args.phase_times) if args.phase_times else None
+        except ValueError as exc:
+            print(f"exgrpo-train: {exc}", file=sys.stderr)
+            return EXIT_INVALID_CONFIG
+        print(dry_run_report(cfg, world_size, replays=algorithm.experience is not None, phase_times=times))
         return 0
     startup_errors = vllm_startup_errors(cfg)
     if startup_errors:

@@ -3,6 +3,7 @@
 #
 #   sbatch slurm/exgrpo.sh --config-name exgrpo_1_5b [hydra overrides ...]
 #   PRESET=exgrpo_llama8b sbatch --nodes=2 slurm/exgrpo.sh trainer.total_steps=300
+#   sbatch slurm/exgrpo.sh --max-staleness 1 --config-name exgrpo_1_5b   # generate one step ahead
 #   sbatch slurm/exgrpo_7b.sh                     # the paper's recipe (PRESET=exgrpo_7b)
 #
 # Submit from the repository root: Slurm runs a copy of this file from its spool directory, so the
@@ -10,12 +11,24 @@
 # `--config-name NAME` are Hydra overrides, passed unchanged to the dry run and to training (they
 # come after this script's own overrides, so they win).
 #
+# Generating ahead: `--max-staleness N` (before --config-name, or MAX_STALENESS=N; N > 0) passes
+# rollout.max_staleness=N and algo.fresh_is_cap=2.0 (a user override of the cap comes later and wins) and
+# starts GPUS_PER_NODE-1 training tasks per node: the generator process, which the trainer's global rank 0
+# starts on node 0 (rollout.generator.device=auto = cuda:<LOCAL_WORLD_SIZE>, exported here), gets node 0's
+# last GPU. Every task sees all the node's GPUs (--gpus-per-node, no per-task binding). This release runs
+# one generator: the last GPU of every other node stays idle. The training world is NNODES x
+# (GPUS_PER_NODE-1) ranks, which the dry run validates: it must divide by TP x PP x CP and the batch sizes
+# by DP (exgrpo_7b at TP=2 needs an even node count and e.g. trainer.train_batch_size=112
+# trainer.ppo_mini_batch_size=56 on 2 nodes). Requeue and resume are unchanged: the checkpoint holds the
+# rollouts in flight, and the staleness itself may not change on resume.
+#
 # Optional environment:
 #   PRESET           conf/<PRESET>.yaml when no --config-name is given (default exgrpo_7b)
 #   RUN_NAME         run directory name; default <PRESET>-<job id>. The job id survives a requeue,
 #                    so the requeued job finds its checkpoints; set RUN_NAME to continue an older run
 #   RUN_ROOT         parent of run directories (default $REPO_DIR/runs)
 #   GPUS_PER_NODE    default 8 (keep equal to --ntasks-per-node / --gpus-per-node below)
+#   MAX_STALENESS    as --max-staleness (default 0: generate, then train, on every GPU)
 #   VENV             a virtualenv to activate first (e.g. $REPO_DIR/.venv)
 #   PYTHON           the interpreter (default: python on PATH, after VENV activation)
 #   CONTAINER_IMAGE  run every srun step in this pyxis/enroot image; the repository is mounted at the
@@ -53,13 +66,27 @@ cd "$REPO_DIR"
 source "$REPO_DIR/slurm/env.sh"
 
 PRESET=${PRESET:-exgrpo_7b}
-if [[ ${1:-} == --config-name ]]; then
-  PRESET=${2:?--config-name needs a preset name}
-  shift 2
-elif [[ ${1:-} == --config-name=* ]]; then
-  PRESET=${1#--config-name=}
-  shift
+MAX_STALENESS=${MAX_STALENESS:-0}
+while true; do
+  case ${1:-} in
+    --config-name) PRESET=${2:?--config-name needs a preset name}; shift 2 ;;
+    --config-name=*) PRESET=${1#--config-name=}; shift ;;
+    --max-staleness) MAX_STALENESS=${2:?--max-staleness needs a number of steps}; shift 2 ;;
+    --max-staleness=*) MAX_STALENESS=${1#--max-staleness=}; shift ;;
+    *) break ;;
+  esac
+done
+if ! [[ $MAX_STALENESS =~ ^[0-9]+$ ]]; then
+  echo "[exgrpo] --max-staleness / MAX_STALENESS: '$MAX_STALENESS' is not a non-negative integer" >&2
+  exit 2
 fi
+MAX_STALENESS=$((10#$MAX_STALENESS))
+for arg in "$@"; do
+  if [[ $arg =~ ^\+{0,2}rollout\.max_staleness= ]]; then
+    echo "[exgrpo] $arg: use --max-staleness N (or MAX_STALENESS=N), which also leaves the generator a GPU" >&2
+    exit 2
+  fi
+done
 
 if [[ -n ${VENV:-} ]]; then
   # shellcheck disable=SC1091  # the virtualenv exists only on the cluster
@@ -69,7 +96,18 @@ PYTHON=${PYTHON:-python}
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${SLURM_NNODES:-1}
-NUM_GPUS=$((NNODES * GPUS_PER_NODE))
+TASKS_PER_NODE=$GPUS_PER_NODE
+staleness_overrides=()
+if ((MAX_STALENESS > 0)); then
+  TASKS_PER_NODE=$((GPUS_PER_NODE - 1))   # node 0's last GPU: the generator (auto device); elsewhere idle
+  if ((TASKS_PER_NODE < 1)); then
+    echo "[exgrpo] --max-staleness needs GPUS_PER_NODE >= 2 (one for the generator)" >&2
+    exit 2
+  fi
+  export LOCAL_WORLD_SIZE=$TASKS_PER_NODE
+  staleness_overrides=("rollout.max_staleness=$MAX_STALENESS" "algo.fresh_is_cap=2.0")
+fi
+NUM_TASKS=$((NNODES * TASKS_PER_NODE))
 RUN_NAME=${RUN_NAME:-${PRESET}-${SLURM_JOB_ID}}
 RUN_ROOT=${RUN_ROOT:-$REPO_DIR/runs}
 RUN_DIR=$RUN_ROOT/$RUN_NAME
@@ -104,11 +142,11 @@ if [[ -n ${CONTAINER_IMAGE:-} ]]; then
     --container-mounts="$REPO_DIR:$REPO_DIR${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}")
 fi
 
-overrides=("logging.run_dir=$RUN_DIR" "checkpoint.resume=auto" "$@")
+overrides=("logging.run_dir=$RUN_DIR" "checkpoint.resume=auto" "${staleness_overrides[@]}" "$@")
 REQUEUE_EXIT_CODE=${REQUEUE_EXIT_CODE:-$(exgrpo_requeue_exit_code "$REPO_DIR")}
 
 {
-  echo "[exgrpo] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: preset $PRESET on $NNODES node(s) x $GPUS_PER_NODE GPUs"
+  echo "[exgrpo] job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: preset $PRESET on $NNODES node(s) x $GPUS_PER_NODE GPUs, $TASKS_PER_NODE training task(s) per node (max staleness $MAX_STALENESS)"
   echo "[exgrpo] run dir $RUN_DIR; master $MASTER_ADDR:$MASTER_PORT; requeue exit code $REQUEUE_EXIT_CODE"
   echo "[exgrpo] overrides: ${overrides[*]}"
 } | tee "$JOB_LOG_DIR/launch.txt"
@@ -116,15 +154,15 @@ REQUEUE_EXIT_CODE=${REQUEUE_EXIT_CODE:-$(exgrpo_requeue_exit_code "$REPO_DIR")}
 # --- 1. dry run on one rank: validate the config at the real world size, print the plan ----------
 dry_rc=0
 srun --nodes=1 --ntasks=1 --ntasks-per-node=1 "${srun_container[@]}" \
-  "$PYTHON" -m exgrpo_megatron.train --config-name "$PRESET" --dry-run --world-size "$NUM_GPUS" \
+  "$PYTHON" -m exgrpo_megatron.train --config-name "$PRESET" --dry-run --world-size "$NUM_TASKS" \
   "${overrides[@]}" | tee "$JOB_LOG_DIR/dry_run.txt" || dry_rc=$?
 if ((dry_rc != 0)); then
   echo "[exgrpo] dry run failed (exit $dry_rc): invalid configuration, training not started" >&2
   exit "$dry_rc"
 fi
 
-# --- 2. training: one task per GPU; ranks come from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID ---------
-srun --nodes="$NNODES" --ntasks="$NUM_GPUS" --ntasks-per-node="$GPUS_PER_NODE" --kill-on-bad-exit=1 --label \
+# --- 2. training: one task per GPU (the generator's excepted); ranks from SLURM_PROCID/NTASKS/LOCALID ---
+srun --nodes="$NNODES" --ntasks="$NUM_TASKS" --ntasks-per-node="$TASKS_PER_NODE" --kill-on-bad-exit=1 --label \
   "${srun_container[@]}" \
   "$PYTHON" -m exgrpo_megatron.train --config-name "$PRESET" "${overrides[@]}" &
 srun_pid=$!

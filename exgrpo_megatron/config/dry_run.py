@@ -27,6 +27,10 @@ the report also shows the training peak without sleep (training peak + the share
 platform without sleep mode needs.
 
 A warning line is printed when a phase's estimate exceeds the 80 GiB of an H100 80GB.
+
+Generating ahead (config/generation_split.py): with rollout.max_staleness > 0 `world_size` counts the training
+ranks and the plan is for N = world_size + 1 GPUs (the generator's GPU added); otherwise one hint line for
+N = world_size. Phase times from `--phase-times RUN_DIR`, else the documented default ratio.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 from exgrpo_megatron.config.derived import padded_vocab_size
+from exgrpo_megatron.config.generation_split import DEFAULT_PHASE_TIMES, PhaseTimes, split_lines
 from exgrpo_megatron.config.schema import ModelConfig, RootConfig
 
 GIB = 1024**3
@@ -302,9 +307,19 @@ def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
     return lines
 
 
-def dry_run_report(cfg: RootConfig, world_size: int, replays: bool) -> str:
+def _generation_lines(cfg: RootConfig, world_size: int, times: PhaseTimes) -> list[str]:
+    p, active = cfg.parallel, cfg.rollout.max_staleness > 0
+    n_gpus = world_size + 1 if active else world_size
+    if n_gpus < 2:
+        return ["generation ahead: needs at least 2 GPUs (one generating, one training)"]
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    return split_lines(times, n_gpus, model_parallel, cfg.trainer.ppo_mini_batch_size, active)
+
+
+def dry_run_report(cfg: RootConfig, world_size: int, replays: bool, phase_times: PhaseTimes | None = None) -> str:
     """The plan of a validated config at `world_size` GPUs (the caller has already run `validate`); `replays`:
-    the algorithm has an experience pool (the caller builds the algorithm: config/ does not import algo/)."""
+    the algorithm has an experience pool (the caller builds the algorithm: config/ does not import algo/);
+    `phase_times`: the colocated generate/train seconds for the generation-ahead plan (None: the default)."""
     memory, warnings = _memory_lines(cfg, world_size)
     sections = [
         [f"dry run: {cfg.model.name}, rollout engine {cfg.rollout.engine}, template {cfg.data.template}, "
@@ -313,6 +328,7 @@ def dry_run_report(cfg: RootConfig, world_size: int, replays: bool) -> str:
         _model_lines(cfg),
         memory,
         _step_lines(cfg, world_size, replays),
+        _generation_lines(cfg, world_size, phase_times or DEFAULT_PHASE_TIMES),
         warnings or ["memory: every estimate fits in one GPU"],
     ]
     return "\n".join(line for section in sections for line in section)
