@@ -16,6 +16,8 @@ Scenarios (`--scenarios`, bench/reliability_trials.py; default all): a second la
 during a save (a real tmpfs, needs root), a corrupted token-cache entry, config changes on resume; each reports what
 it expected and observed and whether the run still ends bitwise equal to the reference ("nothing lost").
 `--trials 0 --scenarios all` runs only those; finished kill trials already in the results file are kept.
+`--max-staleness 1`: the same kill trials for a run generating one step ahead (a generator process, the in-flight
+plan and rollouts in each checkpoint; docs/async_generation.md), written to fault_trials_ahead.json.
 
 Resumable (the machine is shared: run it in the background): each finished trial is appended to the
 results file, and a restart continues with the next trial (the reference is kept in the work dir).
@@ -49,6 +51,7 @@ sys.path.insert(0, str(REPO))
 from bench.reliability_trials import SCENARIOS, run_scenarios  # noqa: E402
 from tests.helpers.multirank import free_port  # noqa: E402
 from tests.helpers.rank_processes import reap, start_rank_process  # noqa: E402
+from tests.test_generate_ahead import AHEAD, _untimed  # noqa: E402
 from tests.test_trainer_resume import (  # noqa: E402
     N_STEPS,
     _comparable,
@@ -59,6 +62,7 @@ from tests.test_trainer_resume import (  # noqa: E402
 )
 
 RESULTS = REPO / "bench" / "results" / "fault_trials.json"
+RESULTS_AHEAD = REPO / "bench" / "results" / "fault_trials_ahead.json"
 TIMEOUT_S = 900
 
 
@@ -99,7 +103,8 @@ def same_final_state(run_dir: Path, ref_dir: Path, scratch: Path) -> tuple[bool,
         if not same:
             return False, f"tensor {key} differs"
     for name in ("trainer_state.json", "opt_param_scheduler.json"):
-        if json.loads((a / "state" / name).read_text()) != json.loads((b / "state" / name).read_text()):
+        if _untimed(json.loads((a / "state" / name).read_text())) != _untimed(json.loads((b / "state" / name)
+                                                                                          .read_text())):
             return False, f"{name} differs"
     for (arrays, meta), (want_arrays, want_meta) in zip(_pool_shards(a), _pool_shards(b), strict=True):
         if meta != want_meta or set(arrays) != set(want_arrays):
@@ -109,7 +114,7 @@ def same_final_state(run_dir: Path, ref_dir: Path, scratch: Path) -> tuple[bool,
     return True, "bitwise equal"
 
 
-def reference(work: Path, data: str, init: Path) -> dict:
+def reference(work: Path, data: str, init: Path, extra: tuple[str, ...]) -> dict:
     """Run (once) the uninterrupted reference; returns its wall time and time to the first logged step."""
     ref_dir = work / "reference"
     info = work / "reference.json"
@@ -118,7 +123,7 @@ def reference(work: Path, data: str, init: Path) -> dict:
     if ref_dir.exists():
         shutil.rmtree(ref_dir)
     t0 = time.perf_counter()
-    proc = launch(ref_dir, _overrides(data, N_STEPS), "run", ("--make-init", str(init)))
+    proc = launch(ref_dir, _overrides(data, N_STEPS, extra=extra), "run", ("--make-init", str(init)))
     first_step = None
     while proc.poll() is None:
         if first_step is None and metrics(ref_dir):
@@ -133,7 +138,7 @@ def reference(work: Path, data: str, init: Path) -> dict:
     return out
 
 
-def trial(index: int, work: Path, data: str, ref: dict, seed: int) -> dict:
+def trial(index: int, work: Path, data: str, ref: dict, seed: int, extra: tuple[str, ...]) -> dict:
     rng = np.random.default_rng([seed, index])
     phase = "startup" if rng.random() < 0.25 else "training"
     window = ref["first_step_s"] if phase == "startup" else ref["wall_s"] - ref["first_step_s"]
@@ -141,7 +146,7 @@ def trial(index: int, work: Path, data: str, ref: dict, seed: int) -> dict:
     run_dir = work / f"trial_{index:03d}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    overrides = _overrides(data, N_STEPS)
+    overrides = _overrides(data, N_STEPS, extra=extra)
     make_init = ("--make-init", str(run_dir / "init"))  # as the reference: weights-only init, then train from it
     proc = launch(run_dir, overrides, "killed", make_init)
     t0 = time.perf_counter()
@@ -193,17 +198,24 @@ def main() -> None:
     parser.add_argument("--work-dir", default="/tmp/exgrpo_fault_trials")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1, help="trials run side by side (independent run dirs)")
+    parser.add_argument("--max-staleness", type=int, default=0, help="> 0: trials of a run generating ahead")
     parser.add_argument("--scenarios", default="all",
                         help=f"comma-separated scenarios after the kill trials: {', '.join(SCENARIOS)}; all; '' none")
     args = parser.parse_args()
+    extra: tuple[str, ...] = ()
+    results_path = RESULTS
+    if args.max_staleness > 0:
+        extra = (f"rollout.max_staleness={args.max_staleness}", *AHEAD[1:])
+        results_path = RESULTS_AHEAD
+        args.work_dir += "_ahead"
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     data = str(work / "train.jsonl")
     if not Path(data).exists():
         _write_dataset(Path(data))
     init = work / "init"
-    ref = reference(work, data, init)
-    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    ref = reference(work, data, init, extra)
+    previous = json.loads(results_path.read_text()) if results_path.exists() else {}
     done = previous.get("per_trial", [])
     scenarios = previous.get("scenarios", [])
     todo = [i for i in range(args.trials) if i not in {t["trial"] for t in done}]
@@ -211,14 +223,15 @@ def main() -> None:
 
     def write_results() -> None:
         out = {"config": {"steps": N_STEPS, "save_every": 2, "keep_last": 3, "world_size": 1, "seed": args.seed,
+                          "overrides": list(extra),
                           "kill": "SIGKILL: 1/4 uniform over the reference's start-up (launch to first "
                                   "logged step), 3/4 uniform over its training window (first logged step "
                                   "to exit), timed from the first logged step"},
                "summary": summary(done, ref) | scenario_summary(scenarios), "per_trial": done, "scenarios": scenarios}
-        RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+        results_path.write_text(json.dumps(out, indent=1) + "\n")
 
     def run_one(index: int) -> None:
-        result = trial(index, work, data, ref, args.seed)
+        result = trial(index, work, data, ref, args.seed, extra)
         with lock:
             done.append(result)
             done.sort(key=lambda t: t["trial"])
@@ -230,11 +243,12 @@ def main() -> None:
     with ThreadPoolExecutor(max_workers=args.workers) as pool:
         list(pool.map(run_one, todo))
     names = list(SCENARIOS) if args.scenarios == "all" else [n for n in args.scenarios.split(",") if n]
+    names = [] if args.max_staleness > 0 else names  # the scenarios are the colocated run's
     helpers = SimpleNamespace(launch=launch, reap=reap, metrics=metrics, same_final_state=same_final_state)
     for result in run_scenarios(names, helpers, work, data):
         scenarios[:] = [s for s in scenarios if s["scenario"] != result["scenario"]] + [result]
         write_results()
-    final = json.loads(RESULTS.read_text())["summary"] if RESULTS.exists() else summary(done, ref)
+    final = json.loads(results_path.read_text())["summary"] if results_path.exists() else summary(done, ref)
     print(f"{'trials':>8} {'bitwise':>8} {'redone':>7} {'max':>4}  (steps redone: total, max per trial)")
     print(f"{final['trials']:>8} {final['bitwise_matches']:>8} {final['steps_redone_total']:>7} "
           f"{final['steps_redone_max']:>4}")
