@@ -1,7 +1,9 @@
 """Refit: after the policy's weights change, vLLM (built by the production factory, fp32, CPU build)
 generates from the new weights: greedy tokens equal the megatron engine's, and the log-probs vLLM reports
 for its sampled tokens equal the policy's recomputed ones (the trainer's old log-probs) to <= 1e-4.
-At TP=1, TP=2 (external_launcher, 2 gloo ranks) and PP=2."""
+At TP=1, TP=2 (external_launcher, 2 gloo ranks) and PP=2. In bf16 (the policy's parameters and so vLLM's, the
+CPU's best precision for a large model): the refit reaches vLLM, and its log-probs agree with the bf16 trainer's
+to bf16 rounding (mean and max bounds below, and the mismatch ratio the trainer logs)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import pytest
 from tests.helpers.multirank import run_on_ranks
 
 LOGPROB_TOL = 1e-4
+BF16_MEAN_TOL, BF16_MAX_TOL = 0.02, 0.25  # |logp_vllm - logp_trainer| per token; bf16 keeps 8 mantissa bits
 PROMPTS = ["12+3=", "What is 7*8?", "<think>", "a"]
 
 
-def refit_case(tp: int, pp: int, hf_dir: str) -> dict:
+def refit_case(tp: int, pp: int, hf_dir: str, dtype: str = "fp32") -> dict:
     import torch
 
     from exgrpo_megatron.config.schema import DataConfig, ParallelConfig, RootConfig, TrainerConfig
@@ -27,8 +30,8 @@ def refit_case(tp: int, pp: int, hf_dir: str) -> dict:
     from tests.vllm.engines import TEST_VLLM, perturb_, tiny_model_config
 
     init_distributed(tp, pp, seed=3)
-    cfg = RootConfig(model=tiny_model_config(), parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                                                        pipeline_model_parallel_size=pp),
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    cfg = RootConfig(model=tiny_model_config(params_dtype=dtype), parallel=parallel,
                      trainer=TrainerConfig(micro_batch_max_tokens=256, total_steps=1, train_batch_size=1,
                                            ppo_mini_batch_size=1),
                      data=DataConfig(tokenizer="char", max_prompt_length=32, max_response_length=24))
@@ -56,9 +59,13 @@ def refit_case(tp: int, pp: int, hf_dir: str) -> dict:
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     ref = token_stats(policy, seqs, [len(s.prompt_ids) for s in samples], temperature=1.0, with_entropy=False,
                       max_tokens=256).logprobs
-    diffs = [float((torch.tensor(s.logprobs, dtype=torch.float64) - r.double()).abs().max())
-             for s, r in zip(samples, ref, strict=True)]
+    abs_diffs = [(torch.tensor(s.logprobs, dtype=torch.float64) - r.double()).abs() for s, r in zip(samples, ref,
+                                                                                                      strict=True)]
+    diffs = [float(d.max()) for d in abs_diffs]
+    every = torch.cat(abs_diffs)
     return {"before": before, "vllm_greedy": v_greedy, "megatron_greedy": m_greedy, "max_logprob_diff": max(diffs),
+            "mean_logprob_diff": float(every.mean()), "mult_prob_error": float(every.exp().mean()),
+            "param_dtype": str(next(policy.modules[0].parameters()).dtype),
             "n_tokens": sum(len(s.response_ids) for s in samples), "can_sleep": vllm.can_sleep,
             "train_threads_applied": train_threads_applied}
 
@@ -85,3 +92,12 @@ def test_refit_two_ranks(tiny_hf_dir, tp, pp):
     for result in results:
         _check(result)
     assert results[0]["vllm_greedy"] == results[1]["vllm_greedy"]
+
+
+def test_refit_bf16_tp1(tiny_hf_dir):
+    result = run_on_ranks(refit_case, world_size=1, args=(1, 1, tiny_hf_dir, "bf16"))[0]
+    print("refit bf16:", {k: result[k] for k in ("max_logprob_diff", "mean_logprob_diff", "mult_prob_error")})
+    assert result["param_dtype"] == "torch.bfloat16" and result["n_tokens"] > 0
+    assert result["vllm_greedy"] != result["before"], "the weight change did not reach bf16 vLLM"
+    assert result["mean_logprob_diff"] <= BF16_MEAN_TOL and result["max_logprob_diff"] <= BF16_MAX_TOL, result
+    assert result["mult_prob_error"] < 1.05
