@@ -42,7 +42,7 @@ class RunState:
     last_saved: int = field(default=-1)
 
     @classmethod
-    def start(cls, c: Components, preemption: PreemptionHandler | None = None) -> RunState:
+    def start(cls, c: Components, preemption: PreemptionHandler) -> RunState:
         """Resume (newest verified checkpoint) or initialise. `preemption`: the handler installed at process
         start (start-up mode: a signal aborts start-up); switched here to the step-boundary mode."""
         cfg = c.cfg
@@ -64,7 +64,7 @@ class RunState:
                                      resume_step=state.step if resume is not None else None)
         state.progress = ProgressBar(cfg.trainer.total_steps, start_step=state.step,
                                      enabled=main and cfg.logging.progress_bar)
-        state.preemption = (preemption or PreemptionHandler().install()).finish_startup()
+        state.preemption = preemption.finish_startup()
         return state
 
     # ------------------------------------------------------------------ checkpoint
