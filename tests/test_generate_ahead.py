@@ -145,3 +145,34 @@ def test_generating_ahead_without_an_is_cap_or_with_rollout_logprobs_is_refused(
                               timeout=300)
         assert done.returncode == 2 and named in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_start_up_checks_name_each_key():
+    from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.config.validate import config_errors
+
+    def errors(*overrides: str) -> str:
+        return "\n".join(config_errors(load_config("demo_cpu", list(overrides)), 1))
+
+    assert errors(*AHEAD) == ""
+    assert "algo.fresh_is_cap" in errors("rollout.max_staleness=1")
+    assert "algo.name: dapo" in errors(*AHEAD, "algo.name=dapo")  # a group filter refilling the batch
+    assert "rollout.generator.cpu_cores" in errors(*AHEAD, "rollout.generator.cpu_cores=[4096]")
+    assert "rollout.generator.device" in errors(*AHEAD, "rollout.generator.device=tpu")
+    assert errors("algo.name=dapo") == ""  # colocated: everything as before
+
+
+def test_weights_load_by_name_and_copy_the_vocabulary_rows_both_have():
+    import torch
+
+    from exgrpo_megatron.rollout.generator import load_full_weights
+
+    params = {"embedding.word_embeddings.weight": torch.nn.Parameter(torch.zeros(128, 4)),
+              "decoder.final_layernorm.weight": torch.nn.Parameter(torch.zeros(4))}
+    sent = torch.arange(256 * 4, dtype=torch.float32).view(256, 4)  # the trainer's TP padded the vocabulary further
+    load_full_weights(params, [("embedding.word_embeddings.weight", sent),
+                               ("decoder.final_layernorm.weight", torch.ones(4))])
+    assert torch.equal(params["embedding.word_embeddings.weight"], sent[:128])
+    assert torch.equal(params["decoder.final_layernorm.weight"], torch.ones(4))
+    with pytest.raises(ValueError, match="decoder.final_layernorm.weight"):
+        load_full_weights(params, [("decoder.final_layernorm.weight", torch.ones(5, 2))])

@@ -9,6 +9,8 @@ of its domain gets that one error (the relations involving it are not reported o
 
 from __future__ import annotations
 
+import os
+
 from exgrpo_megatron.config.derived import padded_vocab_size, resolve_params_dtype
 from exgrpo_megatron.config.domains import domain_errors, path_errors
 from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
@@ -123,6 +125,9 @@ def staleness_errors(cfg: RootConfig) -> list[str]:
     if cfg.algo.max_refill_rounds > 0 and _filters_groups(cfg):
         e.append(f"algo.name: {cfg.algo.name} filters groups and refills the batch, which needs the step's own "
                  "rewards before generating more; not available with rollout.max_staleness > 0")
+    usable = sorted(os.sched_getaffinity(0))
+    if any(core not in usable for core in r.generator.cpu_cores):
+        e.append(f"rollout.generator.cpu_cores: {list(r.generator.cpu_cores)}: this process may run on cores {usable}")
     if r.generator.device not in ("auto", "cpu") and not r.generator.device.startswith("cuda"):
         e.append(f"rollout.generator.device: {r.generator.device!r}: expected auto, cpu or cuda[:N]")
     if cfg.parallel.virtual_pipeline_model_parallel_size is not None:

@@ -83,12 +83,12 @@ def receive_weights(link: Link, buckets: list[WeightBucket], params: dict[str, t
 
 def serve(cfg: RootConfig, host: str, port: int, device_index: int | None) -> None:
     """The process's body: set up, announce readiness, answer requests until the trainer sends None."""
+    link = Link(host, port, GENERATOR)  # first: a failure below closes it, and the trainer's receive raises
     g = cfg.rollout.generator
     if g.cpu_cores:
         os.sched_setaffinity(0, g.cpu_cores)
     if g.threads:
         torch.set_num_threads(g.threads)
-    link = Link(host, port, GENERATOR)
     from exgrpo_megatron.components import build_engine_for, step_settings
     from exgrpo_megatron.data.tokenizer import load_tokenizer
     from exgrpo_megatron.distributed.launch_env import LaunchEnv, free_local_port

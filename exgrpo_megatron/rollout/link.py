@@ -17,13 +17,14 @@ import torch.distributed as dist
 
 TRAINER, GENERATOR = 0, 1
 _HEADER, _PAYLOAD, _TENSOR = 0, 1, 2  # message tags
+CONNECT_TIMEOUT = timedelta(minutes=15)  # the peer process starting (spawn, imports) and joining the store
 TIMEOUT = timedelta(hours=6)  # one receive may wait for a whole generation round
 
 
 class Link:
     def __init__(self, host: str, port: int, rank: int) -> None:
         """rank TRAINER hosts the store."""
-        store = dist.TCPStore(host, port, 2, is_master=rank == TRAINER, timeout=TIMEOUT)
+        store = dist.TCPStore(host, port, 2, is_master=rank == TRAINER, timeout=CONNECT_TIMEOUT)
         self.group: Any = dist.ProcessGroupGloo(store, rank, 2, TIMEOUT)  # its send/recv are not in torch's stubs
         self.peer = 1 - rank
 
