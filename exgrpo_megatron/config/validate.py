@@ -125,9 +125,9 @@ def staleness_errors(cfg: RootConfig) -> list[str]:
     if cfg.algo.max_refill_rounds > 0 and _filters_groups(cfg):
         e.append(f"algo.name: {cfg.algo.name} filters groups and refills the batch, which needs the step's own "
                  "rewards before generating more; not available with rollout.max_staleness > 0")
-    usable = sorted(os.sched_getaffinity(0))
-    if any(core not in usable for core in r.generator.cpu_cores):
-        e.append(f"rollout.generator.cpu_cores: {list(r.generator.cpu_cores)}: this process may run on cores {usable}")
+    cores = os.cpu_count() or 1  # the launcher may have pinned the trainer (taskset): the generator pins itself
+    if any(not 0 <= core < cores for core in r.generator.cpu_cores):
+        e.append(f"rollout.generator.cpu_cores: {list(r.generator.cpu_cores)}: this machine has cores 0..{cores - 1}")
     if r.generator.device not in ("auto", "cpu") and not r.generator.device.startswith("cuda"):
         e.append(f"rollout.generator.device: {r.generator.device!r}: expected auto, cpu or cuda[:N]")
     if cfg.parallel.virtual_pipeline_model_parallel_size is not None:
