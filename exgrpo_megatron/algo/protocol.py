@@ -37,8 +37,8 @@ class ExperienceKnobs:
 
     ratio: float  # rho: share of the batch drawn from the pool
     delayed_start_pass_rate: float  # mixed mode once a step's solved fraction exceeds this (<= 0: from step 1)
-    lbound: int  # a question is replayable iff lbound < k <= rbound
-    rbound: int
+    replayable_correct_above: int  # a question is replayable iff replayable_correct_above < k <= ..._at_most
+    replayable_correct_at_most: int
     max_trajectories_per_question: int  # 0 = no cap
     bucket_manager: str  # question selection: bucket weights normal | uniform | linear | sqrt
     bucket_mu: float

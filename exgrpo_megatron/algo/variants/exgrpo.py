@@ -26,8 +26,9 @@ from exgrpo_megatron.experience.types import GroupOutcome
 
 def experience_knobs(t: TrainerConfig) -> ExperienceKnobs:
     return ExperienceKnobs(
-        ratio=t.experience_ratio, delayed_start_pass_rate=t.delayed_start_pass_rate, lbound=t.experience_lbound,
-        rbound=t.experience_rbound, max_trajectories_per_question=t.exp_max_trajectories_per_question,
+        ratio=t.experience_ratio, delayed_start_pass_rate=t.delayed_start_pass_rate,
+        replayable_correct_above=t.replayable_correct_above, replayable_correct_at_most=t.replayable_correct_at_most,
+        max_trajectories_per_question=t.exp_max_trajectories_per_question,
         bucket_manager=t.exp_bucket_manager, bucket_mu=t.exp_bucket_mu, bucket_sigma=t.exp_bucket_sigma,
         metric=t.exp_metric, select_mode=t.exp_select_mode)
 
