@@ -18,13 +18,13 @@ from exgrpo_megatron.policy.train_batch import TrainBatch
 
 
 def rollout_mismatch(batch: TrainBatch) -> tuple[float, float]:
-    """(sum, count) of exp(|logp_generation - logp_trainer|) over fresh response tokens, pi_old recomputed by the
+    """(sum, count) of exp(|logp_behaviour - logp_trainer|) over fresh response tokens, pi_old recomputed by the
     trainer: 1.0 when the rollout engine and the trainer agree (`algo.loss.token_mult_prob_error`)."""
     total, count = 0.0, 0.0
-    for gen, old, rep in zip(batch.gen_logprobs, batch.old_logprobs, batch.is_replay, strict=True):
-        if rep or gen.numel() == 0:
+    for behaviour, old, rep in zip(batch.behaviour_logprobs, batch.old_logprobs, batch.is_replay, strict=True):
+        if rep or behaviour.numel() == 0:
             continue
-        row_sum, row_count = mult_prob_error_sums(gen, old, torch.ones_like(gen, dtype=torch.bool))
+        row_sum, row_count = mult_prob_error_sums(behaviour, old, torch.ones_like(behaviour, dtype=torch.bool))
         total += float(row_sum)
         count += float(row_count)
     return total, count

@@ -67,7 +67,7 @@ def test_replayed_row_keeps_recorded_logprobs_and_gets_one_minus_k_over_k(k_fres
     assert batch.advantages[-1] >= 0
     wrong = [a for a, r, rep in zip(batch.advantages, batch.rewards, batch.is_replay, strict=True) if r == 0]
     assert all(a == pytest.approx(-k / K) for a in wrong)
-    np.testing.assert_array_equal(batch.gen_logprobs[-1].numpy(), stored.logprobs)
+    np.testing.assert_array_equal(batch.behaviour_logprobs[-1].numpy(), stored.logprobs)
     out = group_outcomes([group], [samples], [rewards], step=9, collect=True)[0]
     assert out.k_correct == k
     # the stored trajectory comes back with its ORIGINAL log-probs, so dedup keeps the first record

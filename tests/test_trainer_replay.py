@@ -232,7 +232,7 @@ def _check_spliced(rec: dict) -> int:
         last = rows[-1]
         assert batch.is_replay[last] and not any(batch.is_replay[i] for i in rows[:-1])
         assert batch.sequences[last][batch.prompt_lengths[last]:] == ids
-        assert torch.equal(batch.gen_logprobs[last], torch.tensor(lps, dtype=torch.float32))
+        assert torch.equal(batch.behaviour_logprobs[last], torch.tensor(lps, dtype=torch.float32))
     assert len(replay_rows) == n_replay
     return n_replay
 
@@ -249,7 +249,7 @@ def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = 
         logp, adv = call["logp"][r, span], batch.advantages[i]
         out["tokens"] += n
         if batch.is_replay[i] and not replay_as_on_policy:
-            w = torch.exp(logp - batch.gen_logprobs[i].double())
+            w = torch.exp(logp - batch.behaviour_logprobs[i].double())
             out["pg_sum"] += float((-adv * w / (w + beta)).sum())
             out["w_sum"] += float(w.sum())
             out["f_sum"] += float((w / (w + beta)).sum())
@@ -385,8 +385,8 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
             rec["steps"].append({
                 "source": source, "replay_rows": len(replay), "replay_old_vs_recompute": diff(replay),
                 "fresh_old_vs_recompute": diff(fresh),
-                "replay_old_vs_behaviour": max((float((out[i] - batch.gen_logprobs[i]).abs().max()) for i in replay),
-                                               default=0.0)})
+                "replay_old_vs_behaviour": max(
+                    (float((out[i] - batch.behaviour_logprobs[i]).abs().max()) for i in replay), default=0.0)})
             return result
         return wrapper
 

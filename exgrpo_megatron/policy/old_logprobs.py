@@ -37,7 +37,7 @@ def old_logprobs(policy: Policy, batch: TrainBatch, replay_current: list[np.ndar
                  temperature: float, max_tokens: int) -> tuple[list[torch.Tensor], int]:
     """(pi_old per row, number of rows that needed a forward pass here).
 
-    recompute: one forward of every row. rollout: fresh rows take the generation log-probs, replayed rows the
+    recompute: one forward of every row. rollout: fresh rows take the behaviour (engine's) log-probs, replayed rows the
     selection pass's (`replay_current`), and only replayed rows without them are run forward.
     """
     n = len(batch.sequences)
@@ -56,7 +56,7 @@ def old_logprobs(policy: Policy, batch: TrainBatch, replay_current: list[np.ndar
         if old[i] is not None:
             continue
         if not batch.is_replay[i]:
-            old[i] = batch.gen_logprobs[i].clone()
+            old[i] = batch.behaviour_logprobs[i].clone()
             continue
         cur = torch.as_tensor(np.asarray(replay_current[i]), dtype=torch.float32)
         if cur.numel() != batch.response_lengths[i]:

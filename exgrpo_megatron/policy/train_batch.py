@@ -1,10 +1,10 @@
 """From graded rollout groups to the tensors the policy trains on: the typed `TrainBatch`, rollout to loss.
 
 One row per sample: prompt + response tokens, the sequence's group advantage (broadcast over its
-response tokens), the generation log-probs (for a replayed trajectory: its recorded behaviour
-log-probs), a replay flag and, once computed, pi_old (policy/old_logprobs.py: a forward pass of the current
-weights, `token_stats`, or the rollout's own exact log-probs). `micro_batches_for_update` turns rows of it
-into micro-batches whose `LossInputs` the loss reads.
+response tokens), the behaviour log-probs (of the policy that generated the response: the engine's, or for a
+replayed trajectory its recorded ones), a replay flag and, once computed, pi_old (policy/old_logprobs.py: a
+forward pass of the current weights, `token_stats`, or the rollout's own exact log-probs).
+`micro_batches_for_update` turns rows of it into micro-batches whose `LossInputs` the loss reads.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class TrainBatch:
 
     sequences: list[list[int]]  # prompt + response token ids
     prompt_lengths: list[int]
-    gen_logprobs: list[torch.Tensor]  # per response token: the engine's log-probs; replayed rows: the recorded pi_past
+    behaviour_logprobs: list[torch.Tensor]  # per response token: the engine's; replayed rows: the recorded pi_past
     rewards: list[float]
     advantages: list[float]  # per sequence (group-relative)
     is_replay: list[bool]
@@ -98,6 +98,6 @@ def micro_batches_for_update(batch: TrainBatch, rows: list[int], max_tokens: int
     replay = [torch.full((n,), float(r)) for n, r in zip(lengths, batch.is_replay, strict=True)]
     mbs = make_micro_batches(batch.sequences, batch.prompt_lengths, rows, max_tokens, packed)
     for mb in mbs:
-        mb.loss_inputs = LossInputs(mb.place(batch.old_logprobs), mb.place(batch.gen_logprobs),
+        mb.loss_inputs = LossInputs(mb.place(batch.old_logprobs), mb.place(batch.behaviour_logprobs),
                                     mb.place(advantages), mb.place(replay), measure_mismatch)
     return mbs
