@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from exgrpo_megatron.algo.loss import mult_prob_error_sums
 from exgrpo_megatron.policy.policy import UpdateResult
-from exgrpo_megatron.policy.train_batch import TrainBatch
+from exgrpo_megatron.policy.train_batch import RolloutRows, TrainBatch
 
 
 def rollout_mismatch(batch: TrainBatch) -> tuple[float, float]:
@@ -81,7 +81,7 @@ class StepTotals:
         for k, v in kv.items():
             self.sums[k] = self.sums.get(k, 0.0) + float(v)
 
-    def add_rollouts(self, batch: TrainBatch, grader_deaths: int) -> None:
+    def add_rollouts(self, batch: RolloutRows, grader_deaths: int) -> None:
         """Reward / length / token counts of this rank's rows."""
         fresh = [r for r, rep in zip(batch.rewards, batch.is_replay, strict=True) if not rep]
         replay = [r for r, rep in zip(batch.rewards, batch.is_replay, strict=True) if rep]

@@ -52,10 +52,10 @@ def _train_recording(overrides_: list[str]) -> dict:
     import exgrpo_megatron.trainer as trainer
 
     rec: dict = {"batches": [], "graded": []}
-    originals = {n: getattr(trainer, n) for n in ("build_train_batch", "filter_and_refill", "build_components")}
+    originals = {n: getattr(trainer, n) for n in ("build_rollout_rows", "filter_and_refill", "build_components")}
 
-    def build_train_batch(samples, rewards, advantages):
-        batch = originals["build_train_batch"](samples, rewards, advantages)
+    def build_rollout_rows(samples, rewards, advantages):
+        batch = originals["build_rollout_rows"](samples, rewards, advantages)
         rec["batches"].append({"rewards": rewards, "advantages": batch.advantages, "group_index": batch.group_index})
         return batch
 
@@ -68,7 +68,7 @@ def _train_recording(overrides_: list[str]) -> dict:
         rec["c"] = originals["build_components"](cfg, layout)
         return rec["c"]
 
-    trainer.build_train_batch, trainer.filter_and_refill = build_train_batch, filter_and_refill
+    trainer.build_rollout_rows, trainer.filter_and_refill = build_rollout_rows, filter_and_refill
     trainer.build_components = build_components
     try:
         cfg = load_config("demo_cpu", overrides_)

@@ -15,6 +15,7 @@ module in a temporary directory) makes some answers correct.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import importlib.util
 import os
@@ -207,7 +208,7 @@ def _train_recording_replay(overrides: list[str]) -> dict:
         return factory
 
     with (_spy(trainer, "train_step", train_step), _spy(trainer, "generate_groups", generate),
-          _spy(trainer, "build_train_batch", rollout_batch), _spy(trainer, "rl_loss_fn", loss_factory)):
+          _spy(trainer, "build_rollout_rows", rollout_batch), _spy(trainer, "rl_loss_fn", loss_factory)):
         assert trainer.run_training(cfg) == 0
     return {"steps": steps, "metrics": _metrics(cfg.logging.run_dir)}
 
@@ -392,10 +393,8 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
 
     def micro_batches(original):
         def wrapper(batch, rows, max_tokens, **kw):
-            old = batch.old_logprobs
-            batch.old_logprobs = now["recomputed"]  # the behaviour log-probs follow (the algorithm picks them)
-            now["off"] = original(batch, rows, max_tokens)
-            batch.old_logprobs = old
+            # the behaviour log-probs follow (the algorithm picks them)
+            now["off"] = original(dataclasses.replace(batch, old_logprobs=now["recomputed"]), rows, max_tokens)
             now["replay_rows"] = sum(batch.is_replay[i] for i in rows)
             return original(batch, rows, max_tokens, **kw)
         return wrapper
