@@ -123,8 +123,9 @@ def build_pool(knobs: ExperienceKnobs, group_size: int, dp_group: Any = None) ->
     """The experience pool with the algorithm's selection knobs: question selection (bucket manager, mu, sigma),
     trajectory selection (metric, select mode), storage bounds and cap."""
     return ShardedExperiencePool(
-        group_size, knobs.lbound, knobs.rbound, knobs.max_trajectories_per_question, knobs.bucket_manager,
-        knobs.bucket_mu, knobs.bucket_sigma, knobs.metric, dp_group=dp_group, select_mode=knobs.select_mode)
+        group_size, knobs.replayable_correct_above, knobs.replayable_correct_at_most,
+        knobs.max_trajectories_per_question, knobs.bucket_manager, knobs.bucket_mu, knobs.bucket_sigma, knobs.metric,
+        dp_group=dp_group, select_mode=knobs.select_mode)
 
 
 def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:

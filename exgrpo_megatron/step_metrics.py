@@ -14,17 +14,17 @@ import torch.distributed as dist
 
 from exgrpo_megatron.algo.loss import mult_prob_error_sums
 from exgrpo_megatron.policy.policy import UpdateResult
-from exgrpo_megatron.policy.train_batch import TrainBatch
+from exgrpo_megatron.policy.train_batch import RolloutRows, TrainBatch
 
 
 def rollout_mismatch(batch: TrainBatch) -> tuple[float, float]:
-    """(sum, count) of exp(|logp_generation - logp_trainer|) over fresh response tokens, pi_old recomputed by the
+    """(sum, count) of exp(|logp_behaviour - logp_trainer|) over fresh response tokens, pi_old recomputed by the
     trainer: 1.0 when the rollout engine and the trainer agree (`algo.loss.token_mult_prob_error`)."""
     total, count = 0.0, 0.0
-    for gen, old, rep in zip(batch.gen_logprobs, batch.old_logprobs, batch.is_replay, strict=True):
-        if rep or gen.numel() == 0:
+    for behaviour, old, rep in zip(batch.behaviour_logprobs, batch.old_logprobs, batch.is_replay, strict=True):
+        if rep or behaviour.numel() == 0:
             continue
-        row_sum, row_count = mult_prob_error_sums(gen, old, torch.ones_like(gen, dtype=torch.bool))
+        row_sum, row_count = mult_prob_error_sums(behaviour, old, torch.ones_like(behaviour, dtype=torch.bool))
         total += float(row_sum)
         count += float(row_count)
     return total, count
@@ -81,7 +81,7 @@ class StepTotals:
         for k, v in kv.items():
             self.sums[k] = self.sums.get(k, 0.0) + float(v)
 
-    def add_rollouts(self, batch: TrainBatch, grader_deaths: int) -> None:
+    def add_rollouts(self, batch: RolloutRows, grader_deaths: int) -> None:
         """Reward / length / token counts of this rank's rows."""
         fresh = [r for r, rep in zip(batch.rewards, batch.is_replay, strict=True) if not rep]
         replay = [r for r, rep in zip(batch.rewards, batch.is_replay, strict=True) if rep]

@@ -29,7 +29,12 @@ from exgrpo_megatron.logging.startup import startup_block
 from exgrpo_megatron.policy.objective import rl_loss_fn
 from exgrpo_megatron.policy.old_logprobs import old_logprobs, replay_current_logprobs
 from exgrpo_megatron.policy.scoring import make_scorer
-from exgrpo_megatron.policy.train_batch import TrainBatch, build_train_batch, micro_batches_for_update
+from exgrpo_megatron.policy.train_batch import (
+    RolloutRows,
+    TrainBatch,
+    build_rollout_rows,
+    micro_batches_for_update,
+)
 from exgrpo_megatron.reward.rollout_rewards import rewards_per_group
 from exgrpo_megatron.rollout.ahead import AheadGeneration
 from exgrpo_megatron.rollout.group_filter import StepRollouts, filter_and_refill
@@ -91,10 +96,10 @@ def train_step_ahead(c: Components, ahead: AheadGeneration, state: RunState, ste
 
 def train_on(c: Components, state: RunState, rollouts: StepRollouts, phase: Phase, totals: StepTotals,
              timer: StepTimer, grader_deaths: int) -> int:
-    """batch -> pi_old -> the updates; returns the rows whose pi_old needed a forward pass here."""
-    batch = build_train_batch(rollouts.samples, rollouts.rewards, c.algorithm.advantages)
-    totals.add_rollouts(batch, grader_deaths)
-    forward_rows = set_old_logprobs(c, batch, rollouts.groups)
+    """rows -> pi_old -> the updates; returns the rows whose pi_old needed a forward pass here."""
+    rows = build_rollout_rows(rollouts.samples, rollouts.rewards, c.algorithm.advantages)
+    totals.add_rollouts(rows, grader_deaths)
+    batch, forward_rows = with_old_logprobs(c, rows, rollouts.groups)
     totals.add_mismatch(*recomputed_mismatch(c, batch))
     timer.lap("old_logprobs")
     skipped = update_policy(c, batch, len(rollouts.groups), phase, totals)
@@ -168,13 +173,13 @@ def refill_dropped_groups(c: Components, first: StepRollouts, step: int) -> Step
                              dp_rank=c.layout.dp_rank, dp_size=c.layout.dp_size)
 
 
-def set_old_logprobs(c: Components, batch: TrainBatch, mine: list[QuestionGroup]) -> int:
-    """pi_old of every row (algo.old_logprobs: recomputed, or the rollout's exact ones + the selection pass's for
-    replays) into `batch.old_logprobs`; returns the rows that needed a forward pass here."""
-    batch.old_logprobs, forward_rows = old_logprobs(
-        c.policy, batch, replay_current_logprobs(mine, batch), c.old_logprobs,
+def with_old_logprobs(c: Components, rows: RolloutRows, mine: list[QuestionGroup]) -> tuple[TrainBatch, int]:
+    """The training batch: `rows` with the pi_old of every row (algo.old_logprobs: recomputed, or the rollout's exact
+    ones + the selection pass's for replays), and the number of rows that needed a forward pass here."""
+    pi_old, forward_rows = old_logprobs(
+        c.policy, rows, replay_current_logprobs(mine, rows), c.old_logprobs,
         temperature=c.settings.sampling.temperature, max_tokens=c.settings.micro_batch_max_tokens)
-    return forward_rows
+    return TrainBatch.of(rows, pi_old), forward_rows
 
 
 def recomputed_mismatch(c: Components, batch: TrainBatch) -> tuple[float, float]:

@@ -13,7 +13,7 @@ from exgrpo_megatron.algo.loss import (
     exgrpo_loss,
     global_loss_counts,
     loss_normalisers,
-    select_behaviour_logprobs,
+    select_replay_denominator_logprobs,
     shaped_ratio,
     summarize_loss_metrics,
     token_mult_prob_error,
@@ -202,12 +202,13 @@ def test_loss_normalisers_and_counts():
         loss_normalisers(5, 2, "seq_mean", 8192)
 
 
-def test_select_behaviour_logprobs():
+def test_select_replay_denominator_logprobs():
     old, rec = torch.zeros(2, 3), torch.full((2, 3), -1.0)
     replay = torch.tensor([True, False])
     expected = torch.tensor([[-1.0, -1.0, -1.0], [0.0, 0.0, 0.0]])
-    torch.testing.assert_close(select_behaviour_logprobs(old, rec, replay, replay_is_correction=True), expected)
-    torch.testing.assert_close(select_behaviour_logprobs(old, rec, replay, replay_is_correction=False), old)
+    select = select_replay_denominator_logprobs
+    torch.testing.assert_close(select(old, rec, replay, replay_is_correction=True), expected)
+    torch.testing.assert_close(select(old, rec, replay, replay_is_correction=False), old)
 
 
 def test_token_mult_prob_error():

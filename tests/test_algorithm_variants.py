@@ -52,10 +52,10 @@ def _train_recording(overrides_: list[str]) -> dict:
     import exgrpo_megatron.trainer as trainer
 
     rec: dict = {"batches": [], "graded": []}
-    originals = {n: getattr(trainer, n) for n in ("build_train_batch", "filter_and_refill", "build_components")}
+    originals = {n: getattr(trainer, n) for n in ("build_rollout_rows", "filter_and_refill", "build_components")}
 
-    def build_train_batch(samples, rewards, advantages):
-        batch = originals["build_train_batch"](samples, rewards, advantages)
+    def build_rollout_rows(samples, rewards, advantages):
+        batch = originals["build_rollout_rows"](samples, rewards, advantages)
         rec["batches"].append({"rewards": rewards, "advantages": batch.advantages, "group_index": batch.group_index})
         return batch
 
@@ -68,7 +68,7 @@ def _train_recording(overrides_: list[str]) -> dict:
         rec["c"] = originals["build_components"](cfg, layout)
         return rec["c"]
 
-    trainer.build_train_batch, trainer.filter_and_refill = build_train_batch, filter_and_refill
+    trainer.build_rollout_rows, trainer.filter_and_refill = build_rollout_rows, filter_and_refill
     trainer.build_components = build_components
     try:
         cfg = load_config("demo_cpu", overrides_)
@@ -99,7 +99,7 @@ def test_rloo_loss_equals_the_ppo_clip_reference():
     logp = old + 0.4 * torch.randn(3, 5, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
     adv = algo.advantages(torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.float64))[0]
-    loss, metrics = algo.loss(logp, None, mask, old_logprobs=old, generation_logprobs=old, advantages=adv,
+    loss, metrics = algo.loss(logp, None, mask, old_logprobs=old, behaviour_logprobs=old, advantages=adv,
                               replay=torch.zeros(3), phase=Phase.WARMUP, normalisers=(7.0, 9.0))
     ref = _ppo_clip_reference(logp, old, adv.tolist(), mask, algo.clip_ratio, 7.0)
     assert float(loss) == pytest.approx(ref, rel=1e-12) and float(metrics["pg_loss"]) == pytest.approx(ref, rel=1e-12)

@@ -25,7 +25,7 @@ def test_overrides_apply_and_defaults_follow_the_paper():
     assert cfg.trainer.experience_ratio == 0.25
     assert cfg.parallel.tensor_model_parallel_size == 4
     assert (cfg.rollout.n, cfg.optim.lr, cfg.algo.shaping_beta, cfg.algo.entropy_coeff) == (8, 1e-6, 0.1, 0.001)
-    assert (cfg.trainer.delayed_start_pass_rate, cfg.trainer.experience_rbound, cfg.trainer.total_steps) == (
+    assert (cfg.trainer.delayed_start_pass_rate, cfg.trainer.replayable_correct_at_most, cfg.trainer.total_steps) == (
         0.35, 7, 701)
     validate(cfg, 8, check_paths=False)  # the preset's model and data are not on this machine
 
@@ -43,7 +43,7 @@ def test_overrides_apply_and_defaults_follow_the_paper():
         (["trainer.no_such_key=1"], "trainer.no_such_key"),
         (["rollout.engine=sglang"], "rollout.engine"),
         (["algo.loss_agg_mode=seq_mean"], "algo.loss_agg_mode"),
-        (["trainer.experience_rbound=8"], "trainer.experience_rbound"),
+        (["trainer.replayable_correct_at_most=8"], "trainer.replayable_correct_at_most"),
         (["++parallel.pipeline_model_parallel_size=1", "++parallel.virtual_pipeline_model_parallel_size=2"],
          "parallel.virtual_pipeline_model_parallel_size"),
     ],
@@ -77,6 +77,8 @@ def test_transformer_engine_is_absent_on_cpu():
 @pytest.mark.parametrize("old, new, value", [
     ("algo.exp_is_correct", "algo.replay_is_correction", False),
     ("trainer.experience_start_sratio", "trainer.delayed_start_pass_rate", 0.125),
+    ("trainer.experience_lbound", "trainer.replayable_correct_above", 1),
+    ("trainer.experience_rbound", "trainer.replayable_correct_at_most", 5),
 ])
 def test_a_renamed_key_is_accepted_under_its_old_name_with_a_notice(old, new, value, capsys):
     literal = str(value).lower() if isinstance(value, bool) else str(value)

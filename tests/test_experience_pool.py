@@ -150,7 +150,7 @@ def test_indexed_buckets_match_a_set_model_under_random_operations():
 
 # ---------------------------------------------------------------- update rules
 def test_eligibility_window_and_stale_bucket():
-    shard = ExperienceShard(K, lbound=2, rbound=5)
+    shard = ExperienceShard(K, replayable_correct_above=2, replayable_correct_at_most=5)
     assert shard.update_group(1, 2, K, []) == "ignore"
     shard.update_group(1, 3, K, group(1, 3, [[1, 2, 3]]).trajectories())
     assert shard.bucket_of(1) == 3 and len(shard.candidates(1)) == 1
@@ -158,7 +158,7 @@ def test_eligibility_window_and_stale_bucket():
     assert shard.update_group(1, 0, K, []) == "ignore"
     assert shard.bucket_of(1) == 3 and len(shard.candidates(1)) == 1  # stale bucket kept
     default = ExperienceShard(K)
-    assert (default.lbound, default.rbound) == (0, K - 1)
+    assert (default.replayable_correct_above, default.replayable_correct_at_most) == (0, K - 1)
     default.update_group(2, 7, K, group(2, 7, [[5]]).trajectories())
     assert default.bucket_of(2) == 7
 

@@ -1,5 +1,5 @@
 """Issue 15, item 6: each piece of the replay path re-checked against the paper and the original code, on the code
-the trainer runs (ExGRPO's pool hook through trainer.pool_outcomes, policy.train_batch.build_train_batch with its
+the trainer runs (ExGRPO's pool hook through trainer.pool_outcomes, policy.train_batch.build_rollout_rows with its
 advantages, data.step_plan.compose_step, the pool): what is stored and when, which log-probs a replayed row
 carries, the sign and size of its advantage, and how fast solved questions leave the fresh stream."""
 
@@ -15,7 +15,7 @@ from exgrpo_megatron.data.step_plan import QuestionGroup, compose_step
 from exgrpo_megatron.data.synthetic import build_arithmetic_prompt_dataset
 from exgrpo_megatron.data.tokenizer import load_tokenizer
 from exgrpo_megatron.experience import ShardedExperiencePool, Trajectory
-from exgrpo_megatron.policy.train_batch import build_train_batch
+from exgrpo_megatron.policy.train_batch import build_rollout_rows
 from exgrpo_megatron.rollout.group_filter import StepRollouts
 from exgrpo_megatron.rollout.splice import splice_replay
 from exgrpo_megatron.rollout.types import Sample
@@ -60,14 +60,14 @@ def test_replayed_row_keeps_recorded_logprobs_and_gets_one_minus_k_over_k(k_fres
     """§2: the replay is the K-th member, k counts it, A(o*) = 1 - k/K >= 0 (Dr.GRPO, no std), and its row carries
     the log-probs recorded at collection (pi_past), not this step's."""
     group, samples, rewards, stored = replay_group(k_fresh)
-    batch = build_train_batch([samples], [rewards], EXGRPO.advantages)
+    batch = build_rollout_rows([samples], [rewards], EXGRPO.advantages)
     k = k_fresh + 1
     assert batch.is_replay == [False] * (K - 1) + [True]
     assert batch.advantages[-1] == pytest.approx(1 - k / K)
     assert batch.advantages[-1] >= 0
     wrong = [a for a, r, rep in zip(batch.advantages, batch.rewards, batch.is_replay, strict=True) if r == 0]
     assert all(a == pytest.approx(-k / K) for a in wrong)
-    np.testing.assert_array_equal(batch.gen_logprobs[-1].numpy(), stored.logprobs)
+    np.testing.assert_array_equal(batch.behaviour_logprobs[-1].numpy(), stored.logprobs)
     out = group_outcomes([group], [samples], [rewards], step=9, collect=True)[0]
     assert out.k_correct == k
     # the stored trajectory comes back with its ORIGINAL log-probs, so dedup keeps the first record

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from exgrpo_megatron.algo.loss import exgrpo_loss, select_behaviour_logprobs
+from exgrpo_megatron.algo.loss import exgrpo_loss, select_replay_denominator_logprobs
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.components import build_pool
 from exgrpo_megatron.config.loader import load_config
@@ -123,9 +123,10 @@ def test_is_correction_switch_picks_recorded_or_current_old_logprobs():
     old = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]])
     recorded = torch.tensor([[-3.0, -4.0], [-3.5, -2.5]])
     replay = torch.tensor([True, False])
-    on = select_behaviour_logprobs(old, recorded, replay, replay_is_correction=True)
+    on = select_replay_denominator_logprobs(old, recorded, replay, replay_is_correction=True)
     torch.testing.assert_close(on, torch.tensor([[-3.0, -4.0], [-1.5, -0.5]]))
-    torch.testing.assert_close(select_behaviour_logprobs(old, recorded, replay, replay_is_correction=False), old)
+    off = select_replay_denominator_logprobs(old, recorded, replay, replay_is_correction=False)
+    torch.testing.assert_close(off, old)
 
 
 @pytest.mark.parametrize("rho,expected", [(0.25, 16), (0.5, 32), (0.75, 48)])
@@ -280,7 +281,7 @@ def test_mixed_phase_clip_switch(clip):
     def grads(phase: Phase) -> list[float]:
         lp = (old + torch.tensor([[log_rho], [log_w]], dtype=torch.float64)).requires_grad_()
         loss, _ = algo.loss(lp, None, torch.ones(2, 1, dtype=torch.float64), old_logprobs=old,
-                            generation_logprobs=old, advantages=torch.tensor([adv, adv], dtype=torch.float64),
+                            behaviour_logprobs=old, advantages=torch.tensor([adv, adv], dtype=torch.float64),
                             replay=replay, phase=phase, normalisers=(1.0, 1.0))
         return torch.autograd.grad(loss, lp)[0].flatten().tolist()
 

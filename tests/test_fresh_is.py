@@ -129,11 +129,11 @@ def test_cap_zero_is_the_weight_free_path_bitwise(name):
     for phase in (Phase.WARMUP, Phase.MIXED):
         lp = b["lp"].clone().requires_grad_(True)
         ent = b["ent"].clone().requires_grad_(True)
-        loss, metrics = algo.loss(lp, ent, b["mask"], old_logprobs=b["old"], generation_logprobs=b["gen"],
+        loss, metrics = algo.loss(lp, ent, b["mask"], old_logprobs=b["old"], behaviour_logprobs=b["gen"],
                                   advantages=b["adv"], replay=replay, phase=phase, normalisers=(11.0, 13.0))
         lp0 = b["lp"].clone().requires_grad_(True)
         ent0 = b["ent"].clone().requires_grad_(True)
-        beh = algo.behaviour_logprobs(b["old"], b["gen"], replay) if name == "exgrpo" else b["old"]
+        beh = algo.replay_denominator_logprobs(b["old"], b["gen"], replay) if name == "exgrpo" else b["old"]
         shaping = dict(shaping_beta=algo.shaping_beta, policy_shaping=algo.policy_shaping) if name == "exgrpo" else {}
         want, _ = exgrpo_loss(lp0, b["old"], beh, b["adv"], b["mask"], replay, ent0, mixed_phase=not algo.clips(phase),
                               clip_ratio=algo.clip_ratio, entropy_coeff=algo.entropy_coeff, pg_normaliser=11.0,
@@ -151,13 +151,13 @@ def test_every_variant_weights_fresh_tokens_by_the_cap(name):
     replay = b["replay"] if name == "exgrpo" else torch.zeros_like(b["replay"])
     # ExGRPO's generation log-probs are the recorded behaviour log-probs on replayed rows
     gen = torch.where(replay[:, None], b["beh"], b["gen"])
-    args = dict(old_logprobs=b["old"], generation_logprobs=gen, advantages=b["adv"], replay=replay,
+    args = dict(old_logprobs=b["old"], behaviour_logprobs=gen, advantages=b["adv"], replay=replay,
                 normalisers=(11.0, 13.0))
     on, off = _build(name, CAP), _build(name, 0.0)
     for phase in (Phase.WARMUP, Phase.MIXED):
         loss_on, metrics = on.loss(b["lp"], b["ent"], b["mask"], phase=phase, **args)
         loss_off, _ = off.loss(b["lp"], b["ent"], b["mask"], phase=phase, **args)
-        ref_b = dict(b, replay=replay, beh=off.behaviour_logprobs(b["old"], gen, replay) if name == "exgrpo"
+        ref_b = dict(b, replay=replay, beh=off.replay_denominator_logprobs(b["old"], gen, replay) if name == "exgrpo"
                      else b["old"])
         n_tok = float(b["mask"].sum())
         ref, ref_metrics = _ref_tis_loss(ref_b, not on.clips(phase), "token_mean", 0.0, CAP)
@@ -174,7 +174,7 @@ def test_every_variant_weights_fresh_tokens_by_the_cap(name):
 def test_exgrpo_replayed_rows_keep_their_loss_under_the_cap():
     b = _batch(seed=13)
     replay = torch.ones_like(b["replay"])  # every row replayed: its generation log-probs are pi_past, not weighted
-    args = dict(old_logprobs=b["old"], generation_logprobs=b["beh"], advantages=b["adv"], replay=replay,
+    args = dict(old_logprobs=b["old"], behaviour_logprobs=b["beh"], advantages=b["adv"], replay=replay,
                 phase=Phase.MIXED, normalisers=(11.0, 13.0))
     loss_on, metrics = _build("exgrpo", CAP).loss(b["lp"], b["ent"], b["mask"], **args)
     loss_off, _ = _build("exgrpo", 0.0).loss(b["lp"], b["ent"], b["mask"], **args)

@@ -137,7 +137,7 @@ def _policy_run(model_name: str, tp: int) -> dict:
     from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.policy.objective import rl_loss_fn
     from exgrpo_megatron.policy.policy import Policy
-    from exgrpo_megatron.policy.train_batch import TrainBatch, micro_batches_for_update, token_stats
+    from exgrpo_megatron.policy.train_batch import RolloutRows, TrainBatch, micro_batches_for_update, token_stats
     from tests.helpers.gather import full_tensors
 
     cfg = load_config("demo_cpu", [f"model={model_name}", "model.vocab_size=120",  # 8 padded vocabulary ids
@@ -148,8 +148,8 @@ def _policy_run(model_name: str, tp: int) -> dict:
     lengths, prompts = [14, 9, 17, 6, 11], [5, 3, 6, 2, 4]
     seqs = [torch.randint(0, 120, (n,), generator=g).tolist() for n in lengths]
     n_resp = [n - p for n, p in zip(lengths, prompts, strict=True)]
-    batch = TrainBatch(seqs, prompts, [torch.randn(k, generator=g) - 2 for k in n_resp], [0.0] * 5,
-                         torch.randn(5, generator=g).tolist(), [False, True, False, True, False], [0, 0, 1, 1, 2])
+    rows = RolloutRows(seqs, prompts, [torch.randn(k, generator=g) - 2 for k in n_resp], [0.0] * 5,
+                       torch.randn(5, generator=g).tolist(), [False, True, False, True, False], [0, 0, 1, 1, 2])
     out = {}
     output_layer_calls = []
     for module in policy.modules:
@@ -161,8 +161,7 @@ def _policy_run(model_name: str, tp: int) -> dict:
         logp, ent, _ = token_stats(policy, seqs, prompts, temperature=0.7, with_entropy=True, max_tokens=40)
         old = [lp + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(i)) for i, lp in
                enumerate(logp)]
-        batch.old_logprobs = old
-        mbs = micro_batches_for_update(batch, list(range(5)), max_tokens=40)
+        mbs = micro_batches_for_update(TrainBatch.of(rows, old), list(range(5)), max_tokens=40)
         algorithm = build_algorithm(replace(cfg.algo, entropy_coeff=0.01), cfg.trainer, cfg.data.max_response_length)
         loss_fn = rl_loss_fn(algorithm, phase=Phase.MIXED, normalisers=(float(sum(n_resp)), float(sum(n_resp))),
                              temperature=0.7, vocab_size=cfg.model.vocab_size)

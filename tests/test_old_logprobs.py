@@ -82,3 +82,21 @@ def test_pool_choices_carry_the_current_logprobs_across_dp_ranks():
         assert len(choices) == 6
         for _, tokens, lps in choices:
             assert lps == pytest.approx([-t / 10 for t in tokens])
+
+
+def test_a_train_batch_is_built_complete_with_its_pi_old_and_frozen():
+    import dataclasses
+
+    import torch
+
+    from exgrpo_megatron.policy.train_batch import RolloutRows, TrainBatch
+
+    rows = RolloutRows([[1, 2, 3], [4, 5]], [1, 1], [torch.zeros(2), torch.zeros(1)], [1.0, 0.0], [0.5, -0.5],
+                       [False, True], [0, 0])
+    batch = TrainBatch.of(rows, [torch.ones(2), torch.ones(1)])
+    assert batch.response_lengths == rows.response_lengths == [2, 1]
+    assert batch.behaviour_logprobs is rows.behaviour_logprobs and batch.is_replay == [False, True]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.old_logprobs = []  # type: ignore[misc]
+    with pytest.raises(ValueError, match="pi_old of 1 rows for a batch of 2"):
+        TrainBatch.of(rows, [torch.ones(2)])

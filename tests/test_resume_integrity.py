@@ -94,8 +94,10 @@ def test_a_checkpoint_config_under_renamed_keys_compares_as_the_new_names():
     """A checkpoint written before a key was renamed (config/aliases.py) resumes with no change announced for it."""
     cfg = load_config("demo_cpu", [])
     old = to_yaml(cfg).replace("delayed_start_pass_rate:", "experience_start_sratio:").replace(
-        "replay_is_correction:", "exp_is_correct:")
-    assert "experience_start_sratio" in old and "exp_is_correct" in old
+        "replay_is_correction:", "exp_is_correct:").replace("replayable_correct_above:", "experience_lbound:").replace(
+        "replayable_correct_at_most:", "experience_rbound:")
+    assert all(name in old for name in ("experience_start_sratio", "exp_is_correct", "experience_lbound",
+                                        "experience_rbound"))
     assert check_resume_config(old, cfg, "ckpt") == []
 
 

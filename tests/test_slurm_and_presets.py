@@ -312,7 +312,7 @@ def test_presets_follow_the_recipe() -> None:
         (128, 8, 1.0, 1024, 8192)
     assert (c7.optim.lr, c7.optim.lr_schedule, t.train_batch_size // t.ppo_mini_batch_size) == (1e-6, "constant", 2)
     assert (a.entropy_coeff, a.shaping_beta, a.replay_is_correction) == (0.001, 0.1, True)
-    assert (t.experience_ratio, t.delayed_start_pass_rate, t.experience_lbound, t.experience_rbound,
+    assert (t.experience_ratio, t.delayed_start_pass_rate, t.replayable_correct_above, t.replayable_correct_at_most,
             t.exp_bucket_sigma, t.total_steps, c7.checkpoint.save_every, t.val_every) == \
         (0.5, 0.35, 0, 7, 1.0, 701, 50, 10)
     for preset in ("exgrpo_1_5b", "exgrpo_qwen7b_instruct", "exgrpo_llama8b", "exgrpo_llama8b_instruct"):

@@ -15,6 +15,7 @@ module in a temporary directory) makes some answers correct.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import importlib.util
 import os
@@ -207,7 +208,7 @@ def _train_recording_replay(overrides: list[str]) -> dict:
         return factory
 
     with (_spy(trainer, "train_step", train_step), _spy(trainer, "generate_groups", generate),
-          _spy(trainer, "build_train_batch", rollout_batch), _spy(trainer, "rl_loss_fn", loss_factory)):
+          _spy(trainer, "build_rollout_rows", rollout_batch), _spy(trainer, "rl_loss_fn", loss_factory)):
         assert trainer.run_training(cfg) == 0
     return {"steps": steps, "metrics": _metrics(cfg.logging.run_dir)}
 
@@ -232,7 +233,7 @@ def _check_spliced(rec: dict) -> int:
         last = rows[-1]
         assert batch.is_replay[last] and not any(batch.is_replay[i] for i in rows[:-1])
         assert batch.sequences[last][batch.prompt_lengths[last]:] == ids
-        assert torch.equal(batch.gen_logprobs[last], torch.tensor(lps, dtype=torch.float32))
+        assert torch.equal(batch.behaviour_logprobs[last], torch.tensor(lps, dtype=torch.float32))
     assert len(replay_rows) == n_replay
     return n_replay
 
@@ -249,7 +250,7 @@ def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = 
         logp, adv = call["logp"][r, span], batch.advantages[i]
         out["tokens"] += n
         if batch.is_replay[i] and not replay_as_on_policy:
-            w = torch.exp(logp - batch.gen_logprobs[i].double())
+            w = torch.exp(logp - batch.behaviour_logprobs[i].double())
             out["pg_sum"] += float((-adv * w / (w + beta)).sum())
             out["w_sum"] += float(w.sum())
             out["f_sum"] += float((w / (w + beta)).sum())
@@ -385,17 +386,15 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
             rec["steps"].append({
                 "source": source, "replay_rows": len(replay), "replay_old_vs_recompute": diff(replay),
                 "fresh_old_vs_recompute": diff(fresh),
-                "replay_old_vs_behaviour": max((float((out[i] - batch.gen_logprobs[i]).abs().max()) for i in replay),
-                                               default=0.0)})
+                "replay_old_vs_behaviour": max(
+                    (float((out[i] - batch.behaviour_logprobs[i]).abs().max()) for i in replay), default=0.0)})
             return result
         return wrapper
 
     def micro_batches(original):
         def wrapper(batch, rows, max_tokens, **kw):
-            old = batch.old_logprobs
-            batch.old_logprobs = now["recomputed"]  # the behaviour log-probs follow (the algorithm picks them)
-            now["off"] = original(batch, rows, max_tokens)
-            batch.old_logprobs = old
+            # the behaviour log-probs follow (the algorithm picks them)
+            now["off"] = original(dataclasses.replace(batch, old_logprobs=now["recomputed"]), rows, max_tokens)
             now["replay_rows"] = sum(batch.is_replay[i] for i in rows)
             return original(batch, rows, max_tokens, **kw)
         return wrapper

@@ -55,7 +55,8 @@ def _overrides(data_file: str, total_steps: int, tp: int = 1, pp: int = 1, extra
         "model=tiny_qwen2", "model.vocab_size=103", "model.make_vocab_size_divisible_by=64",  # 128 rows at TP 1 and 2
         "logging.tensorboard=false", "logging.progress_bar=false", "data.source=files",
         f"data.train_files=[{data_file}]", "reward.require_think=false", f"trainer.total_steps={total_steps}",
-        "trainer.train_batch_size=4", "trainer.ppo_mini_batch_size=2", "rollout.n=4", "trainer.experience_rbound=3",
+        "trainer.train_batch_size=4", "trainer.ppo_mini_batch_size=2", "rollout.n=4",
+        "trainer.replayable_correct_at_most=3",
         "trainer.delayed_start_pass_rate=0", "trainer.sft_warm_start_steps=0", "trainer.val_every=0",
         "data.max_response_length=12", "trainer.micro_batch_max_tokens=256", "checkpoint.save_every=2",
         "checkpoint.keep_last=3", "optim.lr=1e-3", "optim.adam_eps=1e-3", "reward.num_workers=1",

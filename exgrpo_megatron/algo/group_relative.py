@@ -59,17 +59,17 @@ class GroupRelative:
         return loss_normalisers(num_tokens_global, num_seqs_global, self.loss_agg_mode, self.max_response_length,
                                 self.loss_seqs_per_rank_ref, self.entropy_microbatches_ref)
 
-    def fresh_is_weights(self, old_logprobs: Tensor, generation_logprobs: Tensor, replay: Tensor
+    def fresh_is_weights(self, old_logprobs: Tensor, behaviour_logprobs: Tensor, replay: Tensor
                          ) -> TruncatedIS | None:
-        """Truncated IS weights of fresh tokens, min(exp(logp_old - logp_generation), fresh_is_cap)
+        """Truncated IS weights of fresh tokens, min(exp(logp_old - logp_behaviour), fresh_is_cap)
         (`loss.truncated_is_weight`); None when the cap is 0. `replay` ([B] or [B, T]) marks the rows whose
-        `generation_logprobs` are recorded behaviour log-probs, not the engine's: their weight is 1 (the loss
+        `behaviour_logprobs` are a replayed trajectory's recorded ones, not the engine's: their weight is 1 (the loss
         applies the weight to fresh tokens only)."""
         if self.fresh_is_cap <= 0:
             return None
         rep = replay if replay.dim() == old_logprobs.dim() else replay.unsqueeze(-1).expand_as(old_logprobs)
-        gen = torch.where(rep.bool(), old_logprobs, generation_logprobs)
-        return truncated_is_weight(old_logprobs, gen, self.fresh_is_cap)
+        fresh_behaviour = torch.where(rep.bool(), old_logprobs, behaviour_logprobs)
+        return truncated_is_weight(old_logprobs, fresh_behaviour, self.fresh_is_cap)
 
     def metric_reduce_op(self, key: str) -> str:
         return metric_reduce_op(key)

@@ -54,10 +54,10 @@ micro-batches = 4. Our bonus is then the original's at its layout, whatever our 
 (`tests/test_loss_scale.py`). M_ref = 1 is the original at one micro-batch per rank (its configured gradient
 accumulation), which is what this code did before the constant existed.
 
-Behaviour log-probs for replayed tokens (`select_behaviour_logprobs`): with `replay_is_correction=True` they are the
-log-probs recorded when the trajectory was collected (pi_past), so w is a true per-token importance ratio; with
-`replay_is_correction=False` they are this step's old log-probs (pi_theta_old), so w = 1 on the first mini-batch and f
-only shapes the ratio (paper Tab. 6, "w/o IS correction").
+The replay ratio's denominator on replayed tokens (`select_replay_denominator_logprobs`): with
+`replay_is_correction=True` the behaviour log-probs recorded when the trajectory was collected (pi_past), so w is a
+true per-token importance ratio; with `replay_is_correction=False` this step's old log-probs (pi_theta_old), so w = 1
+on the first mini-batch and f only shapes the ratio (paper Tab. 6, "w/o IS correction").
 """
 
 from __future__ import annotations
@@ -118,14 +118,14 @@ def global_loss_counts(response_lengths: Sequence[int], dp_group: dist.ProcessGr
     return float(num_tokens), float(num_seqs)
 
 
-def select_behaviour_logprobs(
-    old_logprobs: Tensor, recorded_logprobs: Tensor, replay_mask: Tensor, replay_is_correction: bool
+def select_replay_denominator_logprobs(
+    old_logprobs: Tensor, behaviour_logprobs: Tensor, replay_mask: Tensor, replay_is_correction: bool
 ) -> Tensor:
-    """Behaviour log-probs for the replay ratio w: the recorded pi_past on replayed tokens when
-    `replay_is_correction`, else this step's pi_theta_old everywhere (docs/exgrpo.md)."""
+    """The replay ratio w's denominator: the behaviour log-probs (a replayed trajectory's recorded pi_past) on
+    replayed tokens when `replay_is_correction`, else this step's pi_theta_old everywhere (docs/exgrpo.md)."""
     if not replay_is_correction:
         return old_logprobs
-    return torch.where(_per_token(replay_mask, old_logprobs).bool(), recorded_logprobs, old_logprobs)
+    return torch.where(_per_token(replay_mask, old_logprobs).bool(), behaviour_logprobs, old_logprobs)
 
 
 def shaped_ratio(log_ratio: Tensor, beta: float) -> Tensor:
@@ -192,7 +192,7 @@ def approx_kl_k3(log_ratio: Tensor) -> Tensor:
 def exgrpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
-    behaviour_logprobs: Tensor,
+    replay_denominator_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
     replay_mask: Tensor,
@@ -211,14 +211,14 @@ def exgrpo_loss(
 
     logprobs: [B, T] log pi_theta of the response tokens (differentiable).
     old_logprobs: [B, T] this step's pi_theta_old (fresh-token ratio rho, and the KL metric).
-    behaviour_logprobs: [B, T] log-probs for the replay ratio w (see `select_behaviour_logprobs`).
+    replay_denominator_logprobs: [B, T] log-probs for the replay ratio w (see `select_replay_denominator_logprobs`).
     advantages: [B] per sequence or [B, T] per token. response_mask: [B, T]. replay_mask: [B] or [B, T].
     entropy: [B, T] token entropies (differentiable or not), or None to leave out the entropy bonus.
     mixed_phase: False = warm-up (PPO clip on fresh tokens), True = mixed (unclipped).
     policy_shaping: True = f(w) on replayed tokens, False = the plain ratio w (`replay_weight`).
     pg_normaliser, entropy_normaliser: from `loss_normalisers` on DP-global counts.
     fresh_is_weights: `truncated_is_weight` per token [B, T]; fresh tokens' loss is multiplied by its weight
-    (replayed tokens keep f(w) against their behaviour log-probs). None: no correction (the weight-free code path).
+    (replayed tokens keep f(w) against their replay denominator). None: no correction (the weight-free code path).
 
     Returns (loss, metrics). Metrics are detached float64 scalars meant to be reduced over micro-batches and DP
     ranks: keys ending in `_max` with MAX, all others with SUM; `summarize_loss_metrics` turns them into means.
@@ -231,7 +231,7 @@ def exgrpo_loss(
 
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_rho = torch.where(fresh, logprobs - old_logprobs, zero)
-    log_w = torch.where(replay, logprobs - behaviour_logprobs, zero)
+    log_w = torch.where(replay, logprobs - replay_denominator_logprobs, zero)
 
     fresh_loss, clipped = fresh_token_loss(log_rho, adv, clip=not mixed_phase, clip_ratio=clip_ratio)
     if fresh_is_weights is not None:  # 1 off fresh tokens, so padding or replay values never reach the product
@@ -304,19 +304,19 @@ def summarize_loss_metrics(reduced: Mapping[str, float | Tensor]) -> dict[str, f
     }
 
 
-def mult_prob_error_sums(generation_logprobs: Tensor, trainer_logprobs: Tensor, valid: Tensor
+def mult_prob_error_sums(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, valid: Tensor
                          ) -> tuple[Tensor, Tensor]:
-    """(sum, count) over the `valid` tokens of exp(|logp_generation - logp_trainer|), in float64: the terms of
+    """(sum, count) over the `valid` tokens of exp(|logp_behaviour - logp_trainer|), in float64: the terms of
     `token_mult_prob_error`, to be summed over rows, micro-batches and ranks before dividing."""
     mask = valid.bool()
-    err = torch.exp((generation_logprobs.double() - trainer_logprobs.double()).abs())
+    err = torch.exp((behaviour_logprobs.double() - trainer_logprobs.double()).abs())
     return err[mask].sum(), mask.sum().double()
 
 
-def token_mult_prob_error(generation_logprobs: Tensor, trainer_logprobs: Tensor, response_mask: Tensor) -> Tensor:
-    """Mean over valid tokens of exp(|logp_generation - logp_trainer|): 1.0 when the rollout engine and the
-    trainer agree exactly; a train/inference mismatch alarm (NeMo-RL's metric)."""
-    total, count = mult_prob_error_sums(generation_logprobs, trainer_logprobs, response_mask)
+def token_mult_prob_error(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, response_mask: Tensor) -> Tensor:
+    """Mean over valid tokens of exp(|logp_behaviour - logp_trainer|) (behaviour: the rollout engine's): 1.0 when
+    the rollout engine and the trainer agree exactly; a train/inference mismatch alarm (NeMo-RL's metric)."""
+    total, count = mult_prob_error_sums(behaviour_logprobs, trainer_logprobs, response_mask)
     return total / count.clamp(min=1.0)
 
 

@@ -6,7 +6,8 @@ The trainer asks the algorithm, and nothing else, for
     with fresh groups (at most `algo.max_refill_rounds` extra generation rounds) and the dropped group still
     reaches the experience pool (retirement and buckets count every graded group);
   * `loss(...)`: one micro-batch's loss and summable metrics from the per-token loss inputs (the current
-    log-probs and entropy, pi_old, the generation log-probs, the advantage, the replay flag), with the
+    log-probs and entropy, pi_old, the behaviour log-probs -- those of the policy that generated the response:
+    the engine's, or a replayed trajectory's recorded ones --, the advantage, the replay flag), with the
     update's DP-global normalisers (`normalisers`) and the phase (`clips(phase)`: PPO clip on fresh tokens);
   * `experience` (the pool's knobs, None = on-policy: no pool) and `pool_outcome` (what the pool learns
     from one graded group);
@@ -37,8 +38,8 @@ class ExperienceKnobs:
 
     ratio: float  # rho: share of the batch drawn from the pool
     delayed_start_pass_rate: float  # mixed mode once a step's solved fraction exceeds this (<= 0: from step 1)
-    lbound: int  # a question is replayable iff lbound < k <= rbound
-    rbound: int
+    replayable_correct_above: int  # a question is replayable iff replayable_correct_above < k <= ..._at_most
+    replayable_correct_at_most: int
     max_trajectories_per_question: int  # 0 = no cap
     bucket_manager: str  # question selection: bucket weights normal | uniform | linear | sqrt
     bucket_mu: float
@@ -95,7 +96,7 @@ class RLAlgorithm(Protocol):
         ...
 
     def loss(self, logprobs: Tensor, entropy: Tensor | None, response_mask: Tensor, *, old_logprobs: Tensor,
-             generation_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
+             behaviour_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
              normalisers: tuple[float, float]) -> tuple[Tensor, dict[str, Tensor]]:
         """One micro-batch's loss and its metrics (detached float64 scalars, reduced by `metric_reduce_op`)."""
         ...

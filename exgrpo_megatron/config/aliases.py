@@ -12,6 +12,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 RENAMED_KEYS: dict[str, str] = {
     "algo.exp_is_correct": "algo.replay_is_correction",
     "trainer.experience_start_sratio": "trainer.delayed_start_pass_rate",
+    "trainer.experience_lbound": "trainer.replayable_correct_above",
+    "trainer.experience_rbound": "trainer.replayable_correct_at_most",
 }
 _OVERRIDE_PREFIXES = ("++", "+", "~")
 

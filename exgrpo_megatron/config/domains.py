@@ -105,7 +105,7 @@ DOMAINS: dict[str, Domain] = {
     "trainer.train_threads": NON_NEGATIVE,  # 0 = this rank's share of the node's cores
     "trainer.experience_ratio": Domain(lo=0, hi=1, hi_open=True),
     "trainer.delayed_start_pass_rate": Domain(hi=1),  # <= 0: mixed mode from step 1
-    "trainer.experience_lbound": NON_NEGATIVE, "trainer.experience_rbound": NON_NEGATIVE,
+    "trainer.replayable_correct_above": NON_NEGATIVE, "trainer.replayable_correct_at_most": NON_NEGATIVE,
     "trainer.exp_bucket_mu": ANY_FINITE, "trainer.exp_bucket_sigma": POSITIVE,
     "trainer.exp_max_trajectories_per_question": NON_NEGATIVE,  # 0 = no cap
     "trainer.val_every": NON_NEGATIVE,  # 0 = never

@@ -301,7 +301,8 @@ def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
                  else "from step 1 (delayed start disabled)")
         lines.append(f"  experience replay: mixed phase {start}: up to {n_exp} replayed + "
                      f"{t.train_batch_size - n_exp} fresh prompts (rho={t.experience_ratio}; "
-                     f"replayable iff {t.experience_lbound} < correct <= {t.experience_rbound} of {r.n})")
+                     f"replayable iff {t.replayable_correct_above} < correct <= {t.replayable_correct_at_most} "
+                     f"of {r.n})")
     else:
         lines.append(f"  experience replay: off (on-policy {cfg.algo.name})")
     return lines

@@ -128,8 +128,9 @@ class TrainerConfig:
     train_threads: int = 0  # policy forward/backward threads; 0 = cores // ranks on the node (distributed/threads.py)
     experience_ratio: float = 0.5  # rho
     delayed_start_pass_rate: float = 0.35  # delayed start; <= 0 means from step 1 (was experience_start_sratio)
-    experience_lbound: int = 0
-    experience_rbound: int = 7
+    # a question is replayable iff replayable_correct_above < k <= replayable_correct_at_most (k correct of K)
+    replayable_correct_above: int = 0  # was experience_lbound
+    replayable_correct_at_most: int = 7  # was experience_rbound
     exp_metric: str = "ent"  # ent | ppl | random
     exp_bucket_manager: str = "normal"  # normal | uniform | linear | sqrt
     exp_bucket_mu: float = 0.5
@@ -225,14 +226,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
 _DATA = "the training prompts: the sampler's position and the pool's question ids refer to the saved data set"
 _UPDATES = ("optimizer updates per step: the LR schedule's progress (counted in updates) would no longer match "
             "the step count")
+_POOL_BOUND = "which questions the pool keeps (the saved pool was filtered with the old bound)"
 # The keys a resume refuses to change (config/resume_changes.py) -> what they would change; allowed only when
 # listed in checkpoint.allow_config_change.
 RESUME_REFUSED: dict[str, str] = {
     "algo.name": "switches the experience pool on or off: the saved pool would be dropped, or an empty one started",
     "rollout.max_staleness": "the checkpoint holds the rollouts in flight for the saved staleness",
     "rollout.n": "the group size K: the pool's k-of-K records and buckets were counted for the saved K",
-    "trainer.experience_lbound": "which questions the pool keeps (the saved pool was filtered with the old bound)",
-    "trainer.experience_rbound": "which questions the pool keeps (the saved pool was filtered with the old bound)",
+    "trainer.replayable_correct_above": _POOL_BOUND, "trainer.replayable_correct_at_most": _POOL_BOUND,
     "trainer.exp_max_trajectories_per_question": "the cap the saved pool was filled under",
     "trainer.train_batch_size": _UPDATES,
     "trainer.ppo_mini_batch_size": _UPDATES,

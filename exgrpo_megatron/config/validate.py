@@ -77,9 +77,10 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
                  f"{t.ppo_mini_batch_size}")
     if dp and t.ppo_mini_batch_size % dp:
         e.append(f"trainer.ppo_mini_batch_size: {t.ppo_mini_batch_size} prompts not divisible by DP size {dp}")
-    if not 0 <= t.experience_lbound < t.experience_rbound < r.n:
-        e.append(f"trainer.experience_rbound: need 0 <= lbound ({t.experience_lbound}) < rbound "
-                 f"({t.experience_rbound}) < rollout.n ({r.n})")
+    if not 0 <= t.replayable_correct_above < t.replayable_correct_at_most < r.n:
+        e.append(f"trainer.replayable_correct_at_most: need 0 <= replayable_correct_above "
+                 f"({t.replayable_correct_above}) < replayable_correct_at_most ({t.replayable_correct_at_most}) "
+                 f"< rollout.n ({r.n})")
     if t.micro_batch_max_tokens < d.max_prompt_length + d.max_response_length:
         e.append(f"trainer.micro_batch_max_tokens: {t.micro_batch_max_tokens} is smaller than one full sequence "
                  f"(data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length})")

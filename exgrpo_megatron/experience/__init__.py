@@ -4,7 +4,7 @@ Pure numpy/torch (+ torch.distributed for the sharded pool); imports no megatron
 Typical use by the trainer (every rank, same order):
 
     from megatron.core import parallel_state as ps
-    pool = ShardedExperiencePool(K, lbound, rbound, max_per_q, "normal", 0.5, 1.0, "ent",
+    pool = ShardedExperiencePool(K, correct_above, correct_at_most, max_per_q, "normal", 0.5, 1.0, "ent",
                                  dp_group=ps.get_data_parallel_group_gloo())   # None in one process
     schedule = ExperienceSchedule(cfg.trainer.delayed_start_pass_rate)   # warm-up -> collecting -> mixed
     replays = pool.sample(int(rho * B), rng_seed=seed * 1_000_003 + step, scorer=policy_scorer) \

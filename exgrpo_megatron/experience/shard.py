@@ -3,12 +3,13 @@
 Update rule for a group of question q with k correct out of K (docs/exgrpo.md):
   * q already retired: ignored (a retired question is never stored or drawn again);
   * k == K: retire q -- its trajectories are dropped and q joins the retired set;
-  * lbound < k <= rbound (defaults 0 < k <= K-1): q moves to bucket k and its correct trajectories are
-    appended (exact token-id duplicates skipped; with a cap, the oldest are evicted);
-  * otherwise (k <= lbound, e.g. all-wrong groups, or rbound < k < K): nothing changes. This keeps the
+  * above < k <= at_most (replayable_correct_above / _at_most, defaults 0 < k <= K-1): q moves to bucket k
+    and its correct trajectories are appended (exact token-id duplicates skipped; with a cap, the oldest are
+    evicted);
+  * otherwise (k <= above, e.g. all-wrong groups, or at_most < k < K): nothing changes. This keeps the
     original semantics, where an all-zero group leaves q in its stale bucket.
 A question is in a bucket iff it holds >= 1 trajectory (an eligible group with no stored trajectory,
-possible only with lbound < 0, adds nothing). Every operation is O(group) / O(draw), never O(pool).
+possible only with above < 0, adds nothing). Every operation is O(group) / O(draw), never O(pool).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ STATE_VERSION = 1
 RETIRE, STORE, IGNORE = "retire", "store", "ignore"
 
 
-def classify_group(k_correct: int, group_size: int, lbound: int, rbound: int) -> str:
-    """retire (k == K), store (lbound < k <= rbound) or ignore."""
+def classify_group(k_correct: int, group_size: int, replayable_correct_above: int,
+                   replayable_correct_at_most: int) -> str:
+    """retire (k == K), store (replayable_correct_above < k <= replayable_correct_at_most) or ignore."""
     if k_correct == group_size:
         return RETIRE
-    if lbound < k_correct <= rbound:
+    if replayable_correct_above < k_correct <= replayable_correct_at_most:
         return STORE
     return IGNORE
 
@@ -39,13 +41,14 @@ def classify_group(k_correct: int, group_size: int, lbound: int, rbound: int) ->
 class ExperienceShard:
     """The part of the pool one DP rank owns (or the whole pool in a single process)."""
 
-    def __init__(self, group_size: int, lbound: int = 0, rbound: int | None = None,
-                 max_trajectories_per_question: int = 0) -> None:
+    def __init__(self, group_size: int, replayable_correct_above: int = 0,
+                 replayable_correct_at_most: int | None = None, max_trajectories_per_question: int = 0) -> None:
         if group_size < 1:
             raise ValueError("group_size must be >= 1")
         self.group_size = group_size
-        self.lbound = lbound
-        self.rbound = group_size - 1 if rbound is None else rbound
+        self.replayable_correct_above = replayable_correct_above
+        self.replayable_correct_at_most = group_size - 1 if replayable_correct_at_most is None \
+            else replayable_correct_at_most
         if max_trajectories_per_question < 0:
             raise ValueError("max_trajectories_per_question must be >= 0 (0 = no cap)")
         self.max_trajectories_per_question = max_trajectories_per_question
@@ -92,7 +95,7 @@ class ExperienceShard:
             raise ValueError(f"question {qid}: k_correct={k_correct} outside 0..{group_size}")
         if qid in self._retired:
             return IGNORE
-        action = classify_group(k_correct, group_size, self.lbound, self.rbound)
+        action = classify_group(k_correct, group_size, self.replayable_correct_above, self.replayable_correct_at_most)
         if action == RETIRE:
             self.retire(qid)
         elif action == STORE:
@@ -160,7 +163,8 @@ class ExperienceShard:
         }
         meta = {
             "format": STATE_FORMAT, "version": STATE_VERSION, "group_size": int(self.group_size),
-            "lbound": int(self.lbound), "rbound": int(self.rbound),
+            # saved under the names the shard format has always used (informational: a load does not read them)
+            "lbound": int(self.replayable_correct_above), "rbound": int(self.replayable_correct_at_most),
             "max_trajectories_per_question": int(self.max_trajectories_per_question),
         }
         return {"arrays": arrays, "meta": meta}

@@ -40,10 +40,10 @@ from exgrpo_megatron.experience.types import GroupOutcome, ReplayChoice, Traject
 class ShardedExperiencePool:
     """Experience pool over a DP group (dp_group=None: a single process owns everything)."""
 
-    def __init__(self, group_size: int, lbound: int = 0, rbound: int | None = None,
-                 max_trajectories_per_question: int = 0, bucket_mode: str = "normal", bucket_mu: float = 0.5,
-                 bucket_sigma: float = 1.0, metric: str = "ent", dp_group: dist.ProcessGroup | None = None,
-                 select_mode: str = "argmin") -> None:
+    def __init__(self, group_size: int, replayable_correct_above: int = 0,
+                 replayable_correct_at_most: int | None = None, max_trajectories_per_question: int = 0,
+                 bucket_mode: str = "normal", bucket_mu: float = 0.5, bucket_sigma: float = 1.0, metric: str = "ent",
+                 dp_group: dist.ProcessGroup | None = None, select_mode: str = "argmin") -> None:
         if metric not in SELECTION_METRICS:
             raise ValueError(f"unknown selection metric {metric!r}; expected one of {SELECTION_METRICS}")
         if select_mode not in SELECT_MODES:
@@ -55,7 +55,8 @@ class ShardedExperiencePool:
         self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.shard = ExperienceShard(group_size, lbound, rbound, max_trajectories_per_question)
+        self.shard = ExperienceShard(group_size, replayable_correct_above, replayable_correct_at_most,
+                                     max_trajectories_per_question)
         self._retired_view: frozenset[int] | None = None
 
     def owns(self, qid: int) -> bool:

@@ -23,19 +23,19 @@ import torch
 @dataclass
 class LossInputs:
     """What the RL loss reads per token of one micro-batch, aligned like `MicroBatch.loss_mask` (0 outside the
-    response targets): pi_old, the generation log-probs (the engine's; on a replayed row the recorded behaviour
-    log-probs pi_past), the sequence's advantage broadcast over its tokens and the replay flag (1.0 on replayed
-    rows). `measure_mismatch`: the weights are still pi_old's, so the loss also measures the engine-vs-trainer
-    mismatch on fresh tokens (the first update of a step whose pi_old came from the rollout)."""
+    response targets): pi_old, the behaviour log-probs (of the policy that generated the response: the engine's;
+    on a replayed row the recorded pi_past), the sequence's advantage broadcast over its tokens and the replay flag
+    (1.0 on replayed rows). `measure_mismatch`: the weights are still pi_old's, so the loss also measures the
+    engine-vs-trainer mismatch on fresh tokens (the first update of a step whose pi_old came from the rollout)."""
 
     old_logprobs: torch.Tensor
-    generation_logprobs: torch.Tensor
+    behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
     replay: torch.Tensor
     measure_mismatch: bool = False
 
     def to(self, device: torch.device) -> LossInputs:
-        return LossInputs(self.old_logprobs.to(device), self.generation_logprobs.to(device),
+        return LossInputs(self.old_logprobs.to(device), self.behaviour_logprobs.to(device),
                           self.advantages.to(device), self.replay.to(device), self.measure_mismatch)
 
 

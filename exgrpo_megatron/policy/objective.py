@@ -51,11 +51,11 @@ def rl_loss_fn(algorithm: RLAlgorithm, *, phase: Phase, normalisers: tuple[float
         logp, ent = output.logprobs_entropy(mb, vocab_size=vocab_size, temperature=temperature,
                                             with_entropy=True, entropy_grad=algorithm.entropy_coeff > 0)
         loss, metrics = algorithm.loss(logp, ent, mb.loss_mask, old_logprobs=x.old_logprobs,
-                                       generation_logprobs=x.generation_logprobs, advantages=x.advantages,
+                                       behaviour_logprobs=x.behaviour_logprobs, advantages=x.advantages,
                                        replay=x.replay, phase=phase, normalisers=normalisers)
-        if x.measure_mismatch:  # weights still pi_old's: exp(|logp_generation - logp|) over fresh tokens
+        if x.measure_mismatch:  # weights still pi_old's: exp(|logp_behaviour - logp|) over fresh tokens
             fresh = mb.loss_mask.bool() & ~x.replay.bool()
-            total, count = mult_prob_error_sums(x.generation_logprobs, logp.detach(), fresh)
+            total, count = mult_prob_error_sums(x.behaviour_logprobs, logp.detach(), fresh)
             metrics = {**metrics, "mismatch_sum": total, "mismatch_count": count}
         return loss, metrics
 

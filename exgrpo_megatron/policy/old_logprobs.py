@@ -23,21 +23,21 @@ import torch
 
 from exgrpo_megatron.data.step_plan import QuestionGroup
 from exgrpo_megatron.policy.policy import Policy
-from exgrpo_megatron.policy.train_batch import TrainBatch, token_stats
+from exgrpo_megatron.policy.train_batch import RolloutRows, token_stats
 
 
-def replay_current_logprobs(groups: Sequence[QuestionGroup], batch: TrainBatch) -> list[np.ndarray | None]:
+def replay_current_logprobs(groups: Sequence[QuestionGroup], batch: RolloutRows) -> list[np.ndarray | None]:
     """Per row: the selection pass's current-policy log-probs of a replayed row (None for fresh rows and for
     replays that were not scored). `groups` are this rank's QuestionGroups, in batch.group_index order."""
     return [groups[g].replay_current_logprobs if rep else None
             for g, rep in zip(batch.group_index, batch.is_replay, strict=True)]
 
 
-def old_logprobs(policy: Policy, batch: TrainBatch, replay_current: list[np.ndarray | None], source: str, *,
+def old_logprobs(policy: Policy, batch: RolloutRows, replay_current: list[np.ndarray | None], source: str, *,
                  temperature: float, max_tokens: int) -> tuple[list[torch.Tensor], int]:
     """(pi_old per row, number of rows that needed a forward pass here).
 
-    recompute: one forward of every row. rollout: fresh rows take the generation log-probs, replayed rows the
+    recompute: one forward of every row. rollout: fresh rows take the behaviour (engine's) log-probs, replayed rows the
     selection pass's (`replay_current`), and only replayed rows without them are run forward.
     """
     n = len(batch.sequences)
@@ -56,7 +56,7 @@ def old_logprobs(policy: Policy, batch: TrainBatch, replay_current: list[np.ndar
         if old[i] is not None:
             continue
         if not batch.is_replay[i]:
-            old[i] = batch.gen_logprobs[i].clone()
+            old[i] = batch.behaviour_logprobs[i].clone()
             continue
         cur = torch.as_tensor(np.asarray(replay_current[i]), dtype=torch.float32)
         if cur.numel() != batch.response_lengths[i]:

@@ -1,16 +1,17 @@
-"""From graded rollout groups to the tensors the policy trains on: the typed `TrainBatch`, rollout to loss.
+"""From graded rollout groups to the tensors the policy trains on: `RolloutRows`, then the `TrainBatch`.
 
 One row per sample: prompt + response tokens, the sequence's group advantage (broadcast over its
-response tokens), the generation log-probs (for a replayed trajectory: its recorded behaviour
-log-probs), a replay flag and, once computed, pi_old (policy/old_logprobs.py: a forward pass of the current
-weights, `token_stats`, or the rollout's own exact log-probs). `micro_batches_for_update` turns rows of it
-into micro-batches whose `LossInputs` the loss reads.
+response tokens), the behaviour log-probs (of the policy that generated the response: the engine's, or for a
+replayed trajectory its recorded ones) and a replay flag -- the `RolloutRows`, built from the graded groups. The
+`TrainBatch` is those rows with their pi_old (policy/old_logprobs.py: a forward pass of the current weights,
+`token_stats`, or the rollout's own exact log-probs), built in one piece once pi_old is known. Both are frozen.
+`micro_batches_for_update` turns rows of a `TrainBatch` into micro-batches whose `LossInputs` the loss reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import NamedTuple
 
@@ -22,22 +23,21 @@ from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.rollout.types import Sample
 
 
-@dataclass
-class TrainBatch:
-    """This rank's rows of one step, group by group (rows of group g are adjacent)."""
+@dataclass(frozen=True)
+class RolloutRows:
+    """This rank's rows of one step, group by group (rows of group g are adjacent), as the rollout left them."""
 
     sequences: list[list[int]]  # prompt + response token ids
     prompt_lengths: list[int]
-    gen_logprobs: list[torch.Tensor]  # per response token: the engine's log-probs; replayed rows: the recorded pi_past
+    behaviour_logprobs: list[torch.Tensor]  # per response token: the engine's; replayed rows: the recorded pi_past
     rewards: list[float]
     advantages: list[float]  # per sequence (group-relative)
     is_replay: list[bool]
     group_index: list[int]  # the row's group among this rank's groups
-    old_logprobs: list[torch.Tensor] = field(default_factory=list)  # pi_old per response token, once computed
 
-    @cached_property
+    @cached_property  # works on a frozen dataclass (it writes the instance __dict__; no __slots__ here)
     def response_lengths(self) -> list[int]:
-        """Built once (the sequences are fixed once the batch is built): callers index it per row."""
+        """Built once (the rows are fixed once built): callers index it per row."""
         return [len(s) - p for s, p in zip(self.sequences, self.prompt_lengths, strict=True)]
 
     def rows_of_groups(self, groups: set[int]) -> list[int]:
@@ -45,8 +45,24 @@ class TrainBatch:
         return [i for i, g in enumerate(self.group_index) if g in groups]
 
 
-def build_train_batch(groups: list[list[Sample]], rewards: list[list[float]],
-                      advantages: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
+@dataclass(frozen=True)
+class TrainBatch(RolloutRows):
+    """The rollout rows with their pi_old: everything the step's updates read."""
+
+    old_logprobs: list[torch.Tensor]  # pi_old per response token
+
+    def __post_init__(self) -> None:
+        if len(self.old_logprobs) != len(self.sequences):
+            raise ValueError(f"pi_old of {len(self.old_logprobs)} rows for a batch of {len(self.sequences)}")
+
+    @classmethod
+    def of(cls, rows: RolloutRows, old_logprobs: list[torch.Tensor]) -> TrainBatch:
+        """`rows` with their pi_old."""
+        return cls(**{f.name: getattr(rows, f.name) for f in fields(RolloutRows)}, old_logprobs=old_logprobs)
+
+
+def build_rollout_rows(groups: list[list[Sample]], rewards: list[list[float]],
+                       advantages: Callable[[torch.Tensor], torch.Tensor]) -> RolloutRows:
     """The rows of the graded groups; `advantages`: the algorithm's ([G, K] float64 rewards -> [G, K])."""
     seqs, plens, lps, rs, advs, replay, gidx = [], [], [], [], [], [], []
     for g, (samples, r) in enumerate(zip(groups, rewards, strict=True)):
@@ -59,7 +75,7 @@ def build_train_batch(groups: list[list[Sample]], rewards: list[list[float]],
             advs.append(float(ai))
             replay.append(bool(s.is_replay))
             gidx.append(g)
-    return TrainBatch(seqs, plens, lps, rs, advs, replay, gidx)
+    return RolloutRows(seqs, plens, lps, rs, advs, replay, gidx)
 
 
 class TokenStats(NamedTuple):
@@ -91,13 +107,11 @@ def micro_batches_for_update(batch: TrainBatch, rows: list[int], max_tokens: int
                              measure_mismatch: bool = False) -> list[MicroBatch]:
     """Token-budget micro-batches of the given rows, each with its `LossInputs` placed per target token
     (`measure_mismatch`: the loss also measures the engine-vs-trainer mismatch; the weights must be pi_old's)."""
-    if len(batch.old_logprobs) != len(batch.sequences):
-        raise ValueError(f"pi_old of {len(batch.old_logprobs)} rows for a batch of {len(batch.sequences)}")
     lengths = batch.response_lengths
     advantages = [torch.full((n,), a) for n, a in zip(lengths, batch.advantages, strict=True)]
     replay = [torch.full((n,), float(r)) for n, r in zip(lengths, batch.is_replay, strict=True)]
     mbs = make_micro_batches(batch.sequences, batch.prompt_lengths, rows, max_tokens, packed)
     for mb in mbs:
-        mb.loss_inputs = LossInputs(mb.place(batch.old_logprobs), mb.place(batch.gen_logprobs),
+        mb.loss_inputs = LossInputs(mb.place(batch.old_logprobs), mb.place(batch.behaviour_logprobs),
                                     mb.place(advantages), mb.place(replay), measure_mismatch)
     return mbs

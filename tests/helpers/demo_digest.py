@@ -26,8 +26,9 @@ ARMS: list[tuple[str, int, tuple[str, ...]]] = [
 
 
 def overrides(run_dir: str, sft_dir: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """The arms' overrides; trainer.experience_start_sratio is the old name of trainer.delayed_start_pass_rate, kept
-    so that this helper runs unchanged on the reference commit (config/aliases.py maps it)."""
+    """The arms' overrides; trainer.experience_start_sratio and trainer.experience_rbound are the old names of
+    trainer.delayed_start_pass_rate and trainer.replayable_correct_at_most, kept so that this helper runs unchanged on
+    the reference commit (config/aliases.py maps them)."""
     return [
         "model=tiny_qwen2", "model.vocab_size=103", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
         "logging.progress_bar=false", "trainer.total_steps=4", "trainer.train_batch_size=16",

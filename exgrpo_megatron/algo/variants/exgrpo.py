@@ -1,7 +1,7 @@
 """`algo.name=exgrpo`: ExGRPO (arXiv 2510.02245) -- GRPO with an experience pool whose replayed trajectories
 train through policy shaping.
 
-It owns what the paper defines and ablates: the behaviour log-probs of the replay ratio (importance-sampling
+It owns what the paper defines and ablates: the denominator of the replay ratio (importance-sampling
 correction, `algo.replay_is_correction`), the loss of each phase (warm-up: PPO clip on fresh tokens; collecting /
 mixed: unclipped, replayed tokens shaped by f(w); `algo/loss.py`) and the pool's knobs (`ExperienceKnobs`:
 rho, the delayed start, question selection mu / sigma / bucket weights, the trajectory selection rule) and what
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from exgrpo_megatron.algo.group_relative import GroupRelative
-from exgrpo_megatron.algo.loss import exgrpo_loss, select_behaviour_logprobs
+from exgrpo_megatron.algo.loss import exgrpo_loss, select_replay_denominator_logprobs
 from exgrpo_megatron.algo.protocol import ExperienceKnobs, GradedResponse
 from exgrpo_megatron.algo.registry import register
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
@@ -26,8 +26,9 @@ from exgrpo_megatron.experience.types import GroupOutcome
 
 def experience_knobs(t: TrainerConfig) -> ExperienceKnobs:
     return ExperienceKnobs(
-        ratio=t.experience_ratio, delayed_start_pass_rate=t.delayed_start_pass_rate, lbound=t.experience_lbound,
-        rbound=t.experience_rbound, max_trajectories_per_question=t.exp_max_trajectories_per_question,
+        ratio=t.experience_ratio, delayed_start_pass_rate=t.delayed_start_pass_rate,
+        replayable_correct_above=t.replayable_correct_above, replayable_correct_at_most=t.replayable_correct_at_most,
+        max_trajectories_per_question=t.exp_max_trajectories_per_question,
         bucket_manager=t.exp_bucket_manager, bucket_mu=t.exp_bucket_mu, bucket_sigma=t.exp_bucket_sigma,
         metric=t.exp_metric, select_mode=t.exp_select_mode)
 
@@ -52,23 +53,23 @@ class ExGRPO(GroupRelative):
         `algo.mixed_phase_clip` keeps it in every phase."""
         return phase is Phase.WARMUP or self.mixed_phase_clip
 
-    def behaviour_logprobs(self, old_logprobs: Tensor, recorded_logprobs: Tensor, replay: Tensor) -> Tensor:
+    def replay_denominator_logprobs(self, old_logprobs: Tensor, behaviour_logprobs: Tensor, replay: Tensor) -> Tensor:
         """The replay ratio's denominator: recorded pi_past on replayed tokens with IS correction, else pi_old."""
-        return select_behaviour_logprobs(old_logprobs, recorded_logprobs, replay, self.replay_is_correction)
+        return select_replay_denominator_logprobs(old_logprobs, behaviour_logprobs, replay, self.replay_is_correction)
 
     def loss(self, logprobs: Tensor, entropy: Tensor | None, response_mask: Tensor, *, old_logprobs: Tensor,
-             generation_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
+             behaviour_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
              normalisers: tuple[float, float]) -> tuple[Tensor, dict[str, Tensor]]:
-        """`loss.exgrpo_loss`; `generation_logprobs`: the engine's, on replayed rows the recorded behaviour
-        log-probs (the replay ratio's denominator there; on fresh rows the truncated IS weight's with
+        """`loss.exgrpo_loss`; `behaviour_logprobs`: the engine's, on replayed rows the recorded ones (the replay
+        ratio's denominator there with `algo.replay_is_correction`; on fresh rows the truncated IS weight's with
         `algo.fresh_is_cap` > 0)."""
-        behaviour = self.behaviour_logprobs(old_logprobs, generation_logprobs, replay)
+        denominator = self.replay_denominator_logprobs(old_logprobs, behaviour_logprobs, replay)
         return exgrpo_loss(
-            logprobs, old_logprobs, behaviour, advantages, response_mask, replay, entropy,
+            logprobs, old_logprobs, denominator, advantages, response_mask, replay, entropy,
             mixed_phase=not self.clips(phase), clip_ratio=self.clip_ratio, shaping_beta=self.shaping_beta,
             policy_shaping=self.policy_shaping, entropy_coeff=self.entropy_coeff,
             pg_normaliser=normalisers[0], entropy_normaliser=normalisers[1],
-            fresh_is_weights=self.fresh_is_weights(old_logprobs, generation_logprobs, replay))
+            fresh_is_weights=self.fresh_is_weights(old_logprobs, behaviour_logprobs, replay))
 
     def pool_outcome(self, qid: int, responses: Sequence[GradedResponse], step: int,
                      collect: bool) -> GroupOutcome | None:

@@ -32,7 +32,7 @@ class GRPO(GroupRelative):
         return True
 
     def loss(self, logprobs: Tensor, entropy: Tensor | None, response_mask: Tensor, *, old_logprobs: Tensor,
-             generation_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
+             behaviour_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
              normalisers: tuple[float, float]) -> tuple[Tensor, dict[str, Tensor]]:
         """PPO clip on every token (`loss.exgrpo_loss` without replayed rows: `replay` is all zero here); fresh
         tokens weighted by truncated IS against the engine's log-probs with `algo.fresh_is_cap` > 0."""
@@ -40,7 +40,7 @@ class GRPO(GroupRelative):
                            mixed_phase=not self.clips(phase), clip_ratio=self.clip_ratio,
                            entropy_coeff=self.entropy_coeff, pg_normaliser=normalisers[0],
                            entropy_normaliser=normalisers[1],
-                           fresh_is_weights=self.fresh_is_weights(old_logprobs, generation_logprobs, replay))
+                           fresh_is_weights=self.fresh_is_weights(old_logprobs, behaviour_logprobs, replay))
 
     def pool_outcome(self, qid: int, responses: Sequence[GradedResponse], step: int,
                      collect: bool) -> GroupOutcome | None:
