@@ -24,11 +24,11 @@ OVERRIDES = [
 TOL = 0.01
 
 
-def _train(run_dir: Path, hf_dir: Path, steps: int, extra: tuple = ()) -> str:
+def _train(run_dir: Path, hf_dir: Path, steps: int, extra: tuple = (), overrides: tuple = ()) -> str:
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(29000 + os.getpid() % 1000), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "tests.vllm.trainer_worker", str(run_dir), str(hf_dir), *extra, "--",
-           *OVERRIDES, f"trainer.total_steps={steps}"]
+           *OVERRIDES, f"trainer.total_steps={steps}", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc.stderr
@@ -46,3 +46,18 @@ def test_vllm_rollouts_match_the_trainer_from_init_and_after_resume(tmp_path):
     for step, ratio in ratios.items():
         assert abs(ratio - 1.0) <= TOL, f"step {step}: rollout/trainer log-prob ratio {ratio}"
     assert all(r["time/refit"] > 0 for r in rows)
+
+
+def test_vllm_generator_one_step_ahead_generates_from_the_weights_it_was_sent(tmp_path):
+    """rollout.max_staleness=1: the generator process runs vLLM on its own TP=1 copy of the policy, refitted from the
+    weights the trainer sends. Step 1's rollouts come from the init_from weights (the trainer's pi_old), so their
+    log-prob ratio is 1 within TOL (a generator that missed the weights would be far off); later steps are one
+    update stale."""
+    run_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
+    _train(run_dir, hf_dir, 3, extra=("--make-init", str(tmp_path / "init")),
+           overrides=("rollout.max_staleness=1", "algo.fresh_is_cap=2.0"))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    print("ratio, staleness per step:", [(r["mismatch/token_mult_prob_error"], r["rollout/staleness"]) for r in rows])
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert abs(rows[0]["mismatch/token_mult_prob_error"] - 1.0) <= TOL
+    assert all(abs(r["mismatch/token_mult_prob_error"] - 1.0) > TOL for r in rows[1:])  # stale: older weights'
