@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from exgrpo_megatron.algo.protocol import ExperienceKnobs, RLAlgorithm
 from exgrpo_megatron.algo.registry import build_algorithm
@@ -22,11 +22,8 @@ from exgrpo_megatron.experience.schedule import ExperienceSchedule
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
 from exgrpo_megatron.policy.policy import Policy, updates_per_step
 from exgrpo_megatron.reward.grader import GraderPool
-from exgrpo_megatron.rollout.service import RolloutService
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
-
-if TYPE_CHECKING:
-    from exgrpo_megatron.rollout.ahead import AheadGeneration
+from exgrpo_megatron.rollout_service import RolloutService
 
 
 @dataclass(frozen=True)
@@ -74,15 +71,10 @@ class Components:
     settings: StepSettings
     old_logprobs: str = "recompute"  # algo.old_logprobs resolved: recompute | rollout (policy/old_logprobs.py)
     dp_group: Any = None  # the data-parallel gloo group (CPU collectives), None with one DP rank
-    ahead: AheadGeneration | None = None  # rollout.max_staleness > 0: the generator process and the plans in flight
 
     def close(self) -> None:
-        """Stop the processes this rank started (the grader's workers, the generator)."""
-        try:
-            if self.ahead is not None:
-                self.ahead.close()
-        finally:
-            self.rollout.close()
+        """Stop the processes this rank started (the grader's workers)."""
+        self.rollout.close()
 
 
 def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
@@ -143,17 +135,11 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
     start = knobs.delayed_start_pass_rate if knobs is not None else 0.0
     schedule = ExperienceSchedule(start, enabled=knobs is not None)
     policy = Policy(cfg)
-    ahead = None
-    if cfg.rollout.max_staleness > 0:
-        from exgrpo_megatron.rollout.ahead import AheadGeneration
-
-        replica0 = layout.dp_rank == 0 and ps.get_context_parallel_rank() == 0
-        ahead = AheadGeneration(cfg, layout.rank, gathers_weights=replica0, modules=policy.modules)
     return Components(
         cfg=cfg, layout=layout, tokenizer=tokenizer, train_data=train, val_data=val,
         sampler=PromptSampler(train.qids(), seed=cfg.seed, shuffle=cfg.data.shuffle),
         algorithm=algorithm, pool=pool, schedule=schedule, policy=policy,
         rollout=RolloutService(build_engine(cfg, policy, tokenizer), GraderPool.from_config(cfg.reward), tokenizer,
                                cfg.reward.require_think),
-        settings=step_settings(cfg), old_logprobs=resolve_old_logprobs_for(cfg), dp_group=dp_group, ahead=ahead,
+        settings=step_settings(cfg), old_logprobs=resolve_old_logprobs_for(cfg), dp_group=dp_group,
     )

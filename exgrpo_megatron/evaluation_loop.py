@@ -1,6 +1,6 @@
 """In-training validation: avg@k accuracy on the held-out set (paper: temperature 0.6).
 
-Generated and graded by the run's rollout service (rollout/service.py) as a training step is: grading overlaps
+Generated and graded by the run's rollout service (rollout_service.py) as a training step is: grading overlaps
 generation, and the rewards come back in the same order as grading everything after generation.
 """
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from exgrpo_megatron.ahead.schedule import AheadGeneration
 from exgrpo_megatron.checkpoint import (
     REQUEUE_EXIT_CODE,
     LoadedCheckpoint,
@@ -40,39 +41,57 @@ class RunState:
     preemption: PreemptionHandler | None = None
     requeue_exit_code: int = REQUEUE_EXIT_CODE
     last_saved: int = field(default=-1)
+    ahead: AheadGeneration | None = None  # rollout.max_staleness > 0: the generator process and the plans in flight
 
     @classmethod
     def start(cls, c: Components, preemption: PreemptionHandler) -> RunState:
         """Resume (newest verified checkpoint) or initialise. `preemption`: the handler installed at process
-        start (start-up mode: a signal aborts start-up); switched here to the step-boundary mode."""
+        start (start-up mode: a signal aborts start-up); switched here to the step-boundary mode. Generating
+        ahead, the generator process starts first (it builds its model while the checkpoint loads)."""
         cfg = c.cfg
         state = cls(c)
+        if cfg.rollout.max_staleness > 0:
+            from megatron.core import parallel_state as ps
+
+            replica0 = c.layout.dp_rank == 0 and ps.get_context_parallel_rank() == 0
+            state.ahead = AheadGeneration(cfg, c.layout.rank, gathers_weights=replica0, modules=c.policy.modules)
+        try:
+            resumed = state.resume_or_initialise()
+        except BaseException:
+            state.close_generator()
+            raise
+        main = c.layout.rank == 0
+        if main:
+            save_resolved_config(cfg.logging.run_dir, to_yaml(cfg))
+        state.logger = MetricsLogger(cfg.logging.run_dir, tensorboard=cfg.logging.tensorboard,
+                                     wandb_project=cfg.logging.wandb_project, enabled=main,
+                                     resume_step=state.step if resumed else None)
+        state.progress = ProgressBar(cfg.trainer.total_steps, start_step=state.step,
+                                     enabled=main and cfg.logging.progress_bar)
+        state.preemption = preemption.finish_startup()
+        return state
+
+    def resume_or_initialise(self) -> bool:
+        """The newest verified checkpoint (True), else the initial weights (init_from or the SFT warm start)."""
+        c, cfg = self.c, self.c.cfg
         resume = c.policy.resume(cfg.logging.run_dir, cfg.checkpoint.resume)
         if resume is not None:
             changes = check_resume_config(resume.config_yaml, cfg, str(resume.path))  # ConfigError: refused keys
             if c.layout.rank == 0:
                 for line in changes:
                     print(f"exgrpo-train: resume: {line}", file=sys.stderr)
-            state.load(resume)
-        elif cfg.checkpoint.init_from or cfg.trainer.sft_warm_start_steps > 0:
+            self.load(resume)
+            return True
+        if cfg.checkpoint.init_from or cfg.trainer.sft_warm_start_steps > 0:
             c.policy.load_weights(cfg.checkpoint.init_from or warm_start_weights(cfg, c.tokenizer))
-        main = c.layout.rank == 0
-        if main:
-            save_resolved_config(cfg.logging.run_dir, to_yaml(cfg))
-        state.logger = MetricsLogger(cfg.logging.run_dir, tensorboard=cfg.logging.tensorboard,
-                                     wandb_project=cfg.logging.wandb_project, enabled=main,
-                                     resume_step=state.step if resume is not None else None)
-        state.progress = ProgressBar(cfg.trainer.total_steps, start_step=state.step,
-                                     enabled=main and cfg.logging.progress_bar)
-        state.preemption = preemption.finish_startup()
-        return state
+        return False
 
     # ------------------------------------------------------------------ checkpoint
     def trainer_state(self) -> dict:
         state = {"step": self.step, "consecutive_skips": self.consecutive_skips,
                  "schedule": self.c.schedule.state_dict(), "sampler": self.c.sampler.state_dict()}
-        if self.c.ahead is not None:  # the plans and rollouts in flight (rollout/ahead.py)
-            state["ahead"] = self.c.ahead.state_dict()
+        if self.ahead is not None:  # the plans and rollouts in flight (ahead/schedule.py)
+            state["ahead"] = self.ahead.state_dict()
         return state
 
     def save(self, step: int) -> None:
@@ -100,8 +119,8 @@ class RunState:
         schedule = ts["schedule"] if "schedule" in ts else legacy_state(ts["switch"], bool(ts["collected_once"]))
         c.schedule.load_state_dict(schedule)
         c.sampler.load_state_dict(ts["sampler"])
-        if c.ahead is not None:
-            c.ahead.load_state_dict(ts.get("ahead", {}))
+        if self.ahead is not None:
+            self.ahead.load_state_dict(ts.get("ahead", {}))
         if c.pool is not None and loaded.pool_shards:
             states = [{"arrays": arrays, "meta": meta} for arrays, meta in loaded.pool_shards]
             c.pool.load_state_dicts(states)
@@ -132,7 +151,12 @@ class RunState:
             print(f"exgrpo-train: done. metrics: {run_dir}/metrics.jsonl  checkpoints: {run_dir}/checkpoints  "
                   f"plot: python tools/plot_run.py {run_dir}", file=sys.stderr)
 
+    def close_generator(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+
     def close(self) -> None:
+        self.close_generator()
         for closer in (self.progress, self.logger):
             if closer is not None:
                 closer.close()

@@ -66,6 +66,9 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
         cfg = load_config(args.config_name, overrides, args.config_dir)
         validate(cfg, world_size)
         algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+        if cfg.rollout.max_staleness > 0 and algorithm.filters_groups and cfg.algo.max_refill_rounds > 0:
+            raise ConfigError([f"algo.name: {cfg.algo.name} filters groups and refills the batch, which needs the "
+                               "step's own rewards before generating more; not with rollout.max_staleness > 0"])
     except ConfigError as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)
         return EXIT_INVALID_CONFIG

@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import torch
 
+from exgrpo_megatron.ahead.schedule import AheadGeneration
 from exgrpo_megatron.algo.loss import global_loss_counts
 from exgrpo_megatron.algo.protocol import GradedResponse, RLAlgorithm
 from exgrpo_megatron.components import Components, build_components
@@ -36,19 +37,18 @@ from exgrpo_megatron.policy.train_batch import (
     micro_batches_for_update,
 )
 from exgrpo_megatron.reward.rollout_rewards import rewards_per_group
-from exgrpo_megatron.rollout.ahead import AheadGeneration
 from exgrpo_megatron.rollout.group_filter import StepRollouts, filter_and_refill
-from exgrpo_megatron.rollout.service import GeneratedGroups, step_seed
 from exgrpo_megatron.rollout.types import Sample
+from exgrpo_megatron.rollout_service import GeneratedGroups, step_seed
 from exgrpo_megatron.run_state import RunState
 from exgrpo_megatron.step_metrics import StepTimer, StepTotals, consecutive_skips_after, pop_mismatch, rollout_mismatch
 
 
 def train_step(c: Components, state: RunState, step: int) -> dict[str, float | str]:
     """plan -> generate -> grade -> [filter + refill] -> batch -> pi_old -> update -> pool + schedule -> metrics;
-    generating ahead (`c.ahead`): `train_step_ahead`."""
-    if c.ahead is not None:
-        return train_step_ahead(c, c.ahead, state, step)
+    generating ahead (`state.ahead`): `train_step_ahead`."""
+    if state.ahead is not None:
+        return train_step_ahead(c, state.ahead, state, step)
     phase = c.schedule.phase
     totals, timer = StepTotals(c.dp_group), StepTimer()
     groups = plan_step(c, step, phase)
@@ -72,7 +72,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float | s
 
 
 def train_step_ahead(c: Components, ahead: AheadGeneration, state: RunState, step: int) -> dict[str, float | str]:
-    """One step generating ahead (rollout/ahead.py): take step t's rollouts -> pool + schedule -> ask for step
+    """One step generating ahead (ahead/schedule.py): take step t's rollouts -> pool + schedule -> ask for step
     t+s's (composed now, the current weights) -> batch -> pi_old -> update (the generator generates meanwhile)."""
     totals, timer = StepTotals(c.dp_group), StepTimer()
     for t in ahead.steps_to_plan(step):  # the run's first steps (all from the initial weights)
@@ -152,7 +152,7 @@ def plan_step(c: Components, step: int, phase: Phase) -> list[QuestionGroup]:
 
 def generate(c: Components, mine: list[QuestionGroup], step: int, refill_round: int = 0) -> GeneratedGroups:
     """K samples per fresh question, K-1 + the stored trajectory per replayed one, graded as they finish
-    (rollout/service.py)."""
+    (rollout_service.py)."""
     s = c.settings
     return c.rollout.training_round(mine, s.group_size, s.sampling, s.seed, step, refill_round)
 

@@ -24,9 +24,11 @@ LAYERS: tuple[str, ...] = (
     "logging",
     "rollout",  # engines, their factory, group generation
     "reward",  # grading, rollout rewards
+    "rollout_service",  # generation + grading for a list of question groups
     "policy",  # the trained policy: schedule, optimizer, log-probs
     "step_metrics",
     "components",  # what a run is built from
+    "ahead",  # generating ahead of training: the schedule, the generator process, the link
     "evaluate",  # the benchmark evaluation CLI
     "evaluation_loop",
     "run_state",

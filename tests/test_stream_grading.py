@@ -137,8 +137,8 @@ def _validation_stream_vs_after() -> dict:
     from exgrpo_megatron.reward.grader import GraderPool
     from exgrpo_megatron.reward.rollout_rewards import submit_grading
     from exgrpo_megatron.rollout.groups import generate_groups
-    from exgrpo_megatron.rollout.service import RolloutService
     from exgrpo_megatron.rollout.types import SamplingParams
+    from exgrpo_megatron.rollout_service import RolloutService
 
     tokenizer, engine = _tiny_engine()
     params = SamplingParams(max_new_tokens=10, temperature=0.6, seed=10_007)

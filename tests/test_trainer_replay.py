@@ -83,7 +83,7 @@ def _metrics(run_dir: str) -> list[dict]:
 # ------------------------------------------------------------------------------------------- DP=2 sharding
 def _train_dp_keeping_pool(overrides: list[str]) -> dict:
     """run_training, keeping this rank's Components to report its pool shard and its groups per step."""
-    import exgrpo_megatron.rollout.service as service
+    import exgrpo_megatron.rollout_service as service
     import exgrpo_megatron.trainer as trainer
 
     kept: dict = {}
@@ -152,7 +152,7 @@ def _reference_logprobs(output, labels: torch.Tensor, vocab_size: int, temperatu
 
 def _train_recording_replay(overrides: list[str]) -> dict:
     """run_training (DP=1) with spies on the pool draw, the groups, the rollout batch and every loss call."""
-    import exgrpo_megatron.rollout.service as service
+    import exgrpo_megatron.rollout_service as service
     import exgrpo_megatron.trainer as trainer
 
     cfg = load_config("demo_cpu", overrides)
@@ -321,7 +321,6 @@ def _check_tensorboard(run_dir: str, records: list[dict]) -> None:
 
 def _train_recording_loss_phase(overrides: list[str]) -> dict:
     """run_training (DP=1), recording the mixed_phase argument of every loss the trainer builds."""
-    import exgrpo_megatron.rollout.service as service
     import exgrpo_megatron.trainer as trainer
 
     cfg = load_config("demo_cpu", overrides)
@@ -359,7 +358,7 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
     rows). Each step the spy also computes what the switched-off trainer uses -- pi_old recomputed by a forward pass
     of every row, before any update -- and runs every update both ways on the trainer's own micro-batches: first
     with the recomputed pi_old (switched off), then the real one (switched on, whose gradients the optimizer uses)."""
-    import exgrpo_megatron.rollout.service as service
+    import exgrpo_megatron.rollout_service as service
     import exgrpo_megatron.trainer as trainer
     from exgrpo_megatron.distributed.threads import available_cores
 

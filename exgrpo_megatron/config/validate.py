@@ -116,16 +116,13 @@ def _old_logprobs_errors(cfg: RootConfig) -> list[str]:
 
 
 def staleness_errors(cfg: RootConfig) -> list[str]:
-    """What a run generating `rollout.max_staleness` steps ahead needs (rollout/ahead.py)."""
+    """What a run generating `rollout.max_staleness` steps ahead needs (ahead/schedule.py)."""
     r, e = cfg.rollout, list[str]()
     if r.max_staleness <= 0:
         return e
     if cfg.algo.fresh_is_cap <= 0:
         e.append(f"algo.fresh_is_cap: {cfg.algo.fresh_is_cap}: rollout.max_staleness={r.max_staleness} trains on "
                  "tokens of older weights; their importance weight pi_old / pi_behaviour needs a cap > 0 (e.g. 2)")
-    if cfg.algo.max_refill_rounds > 0 and _filters_groups(cfg):
-        e.append(f"algo.name: {cfg.algo.name} filters groups and refills the batch, which needs the step's own "
-                 "rewards before generating more; not available with rollout.max_staleness > 0")
     cores = os.cpu_count() or 1  # the launcher may have pinned the trainer (taskset): the generator pins itself
     if any(not 0 <= core < cores for core in r.generator.cpu_cores):
         e.append(f"rollout.generator.cpu_cores: {list(r.generator.cpu_cores)}: this machine has cores 0..{cores - 1}")
@@ -135,15 +132,6 @@ def staleness_errors(cfg: RootConfig) -> list[str]:
         e.append("parallel.virtual_pipeline_model_parallel_size: rollout.max_staleness > 0 validates with the "
                  "trainer's megatron engine, which takes one model chunk per stage")
     return e
-
-
-def _filters_groups(cfg: RootConfig) -> bool:
-    from exgrpo_megatron.algo.registry import build_algorithm
-
-    try:
-        return bool(build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length).filters_groups)
-    except Exception:  # noqa: BLE001 - an unknown algo.name is reported by its own check
-        return False
 
 
 def vllm_config_errors(cfg: RootConfig) -> list[str]:

@@ -2,7 +2,7 @@
 
 One owner of wake -> generate (each engine batch's groups go to the grader pool as soon as they finish, so
 grading overlaps generation) -> sleep, and of the sampling seeds. The training step, in-training validation
-and the generator process of a run generating ahead (rollout/generator.py) all generate through it.
+and the generator process of a run generating ahead (ahead/generator.py) all generate through it.
 
 Seeds: a step's generation round r samples with `rollout_seed(seed, step, r)`; per-request seeds are the question
 ids (rollout/groups.py), so a question's samples do not depend on which rank or process generates it.

@@ -12,7 +12,7 @@ In flight at a checkpoint: the plans of steps t+1..t+s and their rollouts. Savin
 stores them with the plans in the checkpoint's trainer state, so a resumed run trains on exactly the rollouts an
 uninterrupted one would (they are never regenerated: the weights they came from are not in the checkpoint).
 
-Only the trainer's global rank 0 talks to the generator (rollout/link.py); it broadcasts each step's rollouts to
+Only the trainer's global rank 0 talks to the generator (ahead/link.py); it broadcasts each step's rollouts to
 every rank, and each DP rank trains on its share. The weights are gathered to full tensors by the ranks of DP
 replica 0 (rollout/refit.py), in the dtype they train in.
 """
@@ -30,13 +30,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from exgrpo_megatron.ahead.generator import RolloutRequest, RolloutResult, WeightBucket, serve
+from exgrpo_megatron.ahead.link import TRAINER, Link
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.step_plan import QuestionGroup
 from exgrpo_megatron.distributed.launch_env import free_local_port
 from exgrpo_megatron.experience.types import Trajectory
-from exgrpo_megatron.rollout.generator import RolloutRequest, RolloutResult, WeightBucket, serve
-from exgrpo_megatron.rollout.link import TRAINER, Link
 from exgrpo_megatron.rollout.refit import iter_full_param_buckets
 from exgrpo_megatron.rollout.types import Sample
 

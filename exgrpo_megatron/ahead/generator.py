@@ -1,11 +1,11 @@
 """The generator process of a run generating ahead of training (`rollout.max_staleness` > 0).
 
-A process of its own (started by the trainer's global rank 0, rollout/ahead.py): its own one-rank world with a
+A process of its own (started by the trainer's global rank 0, ahead/schedule.py): its own one-rank world with a
 TP=1 copy of the policy's model (no optimizer), the configured rollout engine on it (`rollout.engine`: the
 megatron KV-cache engine, or vLLM refitted from this copy) and its own grader pool. It serves requests over the
-link (rollout/link.py) one at a time, in order: a request carries one step's question groups and, when the
+link (ahead/link.py) one at a time, in order: a request carries one step's question groups and, when the
 trainer's weights changed since the last request, those weights (full TP=1 tensors, bucket by bucket); the
-answer is the step's samples and rewards, generated at the step's own seed (rollout/service.py), so the rollouts
+answer is the step's samples and rewards, generated at the step's own seed (rollout_service.py), so the rollouts
 of a step depend only on its groups and the weights it names -- never on timing.
 """
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from exgrpo_megatron.ahead.link import GENERATOR, Link
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import QuestionGroup
-from exgrpo_megatron.rollout.link import GENERATOR, Link
 from exgrpo_megatron.rollout.types import Sample
 
 WeightBucket = tuple[list[tuple[str, tuple[int, ...]]], torch.dtype]  # ((name, full shape) of each tensor, dtype)
@@ -97,7 +97,7 @@ def serve(cfg: RootConfig, host: str, port: int, device_index: int | None) -> No
     from exgrpo_megatron.model.param_layout import named_global_params
     from exgrpo_megatron.reward.grader import GraderPool
     from exgrpo_megatron.reward.rollout_rewards import rewards_per_group
-    from exgrpo_megatron.rollout.service import RolloutService
+    from exgrpo_megatron.rollout_service import RolloutService
 
     own = LaunchEnv(0, 1, device_index or 0, "127.0.0.1", free_local_port(), "single")
     os.environ.update(MASTER_ADDR=own.master_addr, MASTER_PORT=str(own.master_port))  # not the trainer's world
