@@ -12,6 +12,7 @@ of a step depend only on its groups and the weights it names -- never on timing.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from exgrpo_megatron.ahead.link import GENERATOR, Link
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import QuestionGroup
+from exgrpo_megatron.rollout.refit import unflatten
 from exgrpo_megatron.rollout.types import Sample
 
 WeightBucket = tuple[list[tuple[str, tuple[int, ...]]], torch.dtype]  # ((name, full shape) of each tensor, dtype)
@@ -72,13 +74,8 @@ def load_full_weights(params: dict[str, torch.nn.Parameter], named: list[tuple[s
 
 def receive_weights(link: Link, buckets: list[WeightBucket], params: dict[str, torch.nn.Parameter]) -> None:
     for metas, dtype in buckets:
-        flat = link.recv_tensor(sum(_numel(shape) for _, shape in metas), dtype)
-        named, offset = [], 0
-        for name, shape in metas:
-            n = _numel(shape)
-            named.append((name, flat[offset: offset + n].view(shape)))
-            offset += n
-        load_full_weights(params, named)
+        flat = link.recv_tensor(sum(math.prod(shape) for _, shape in metas), dtype)
+        load_full_weights(params, list(unflatten(flat, metas)))
 
 
 def serve(cfg: RootConfig, host: str, port: int, device_index: int | None) -> None:
@@ -128,10 +125,3 @@ def serve(cfg: RootConfig, host: str, port: int, device_index: int | None) -> No
     finally:
         service.close()
         destroy_distributed()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

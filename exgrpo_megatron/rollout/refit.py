@@ -23,6 +23,7 @@ buckets, anchors.md §C).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -98,7 +99,7 @@ def iter_full_param_buckets(chunks: Sequence[torch.nn.Module], bucket_bytes: int
     my_stage = ps.get_pipeline_model_parallel_rank()
     device = local[0][1].device
     for stage, stage_meta in enumerate(every_stage):
-        sizes = [_numel(shape) * dtype.itemsize for _, shape, dtype in stage_meta]
+        sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in stage_meta]
         for bucket in plan_buckets(sizes, bucket_bytes, keys=[dtype for _, _, dtype in stage_meta]):
             dtype = stage_meta[bucket[0]][2]
             if stage == my_stage:
@@ -108,9 +109,9 @@ def iter_full_param_buckets(chunks: Sequence[torch.nn.Module], bucket_bytes: int
                     continue
                 flat = torch.cat([t.reshape(-1) for t in tensors])
             else:
-                flat = torch.empty(sum(_numel(stage_meta[i][1]) for i in bucket), dtype=dtype, device=device)
+                flat = torch.empty(sum(math.prod(stage_meta[i][1]) for i in bucket), dtype=dtype, device=device)
             dist.broadcast(flat, src=pp_ranks[stage], group=ps.get_pipeline_model_parallel_group())
-            yield list(_unflatten(flat, [stage_meta[i] for i in bucket]))
+            yield list(unflatten(flat, [stage_meta[i][:2] for i in bucket]))
 
 
 def iter_hf_weight_buckets(
@@ -134,16 +135,11 @@ def iter_hf_weight_buckets(
         yield hf
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _unflatten(flat: torch.Tensor, metas: list) -> Iterator[tuple[str, torch.Tensor]]:
+def unflatten(flat: torch.Tensor, names_shapes: list[tuple[str, tuple[int, ...]]]
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view of `flat`) of consecutive tensors of the given shapes (a bucket's inverse of torch.cat)."""
     offset = 0
-    for name, shape, _ in metas:
-        n = _numel(shape)
+    for name, shape in names_shapes:
+        n = math.prod(shape)
         yield name, flat[offset: offset + n].view(shape)
         offset += n
