@@ -46,12 +46,14 @@ def ref_token_loss(lp, old, beh, adv, is_replay, mixed, eps=0.2, beta=0.1) -> tu
     return max(-adv * rho, clipped), clipped > -adv * rho
 
 
-def ref_loss(b: dict, mixed: bool, mode: str, coeff: float) -> tuple[float, dict]:
+def ref_loss(b: dict, mixed: bool, mode: str, coeff: float, cap: float = 0.0) -> tuple[float, dict]:
+    """float64, token by token. `cap` > 0: fresh tokens' loss x min(exp(old - gen), cap) (truncated IS, `b["gen"]`
+    the engine's log-probs), with its two metrics; replayed tokens unweighted."""
     n_tok = int(b["mask"].sum())
     n_seq = int((b["mask"].sum(1) > 0).sum())
     pg_norm = T_MAX * n_seq if mode == "token_sum_constant" else n_tok
-    pg = ent = kl = wsum = fsum = 0.0
-    clipped = n_fresh = n_replay = 0
+    pg = ent = kl = wsum = fsum = v_sum = 0.0
+    clipped = n_fresh = n_replay = n_trunc = 0
     wmax = 0.0
     for i in range(b["lp"].shape[0]):
         for t in range(b["lp"].shape[1]):
@@ -60,6 +62,11 @@ def ref_loss(b: dict, mixed: bool, mode: str, coeff: float) -> tuple[float, dict
             lp, old, beh = float(b["lp"][i, t]), float(b["old"][i, t]), float(b["beh"][i, t])
             replay = bool(b["replay"][i])
             loss_t, was_clipped = ref_token_loss(lp, old, beh, float(b["adv"][i]), replay, mixed)
+            if cap > 0 and not replay:
+                ratio = math.exp(old - float(b["gen"][i, t]))
+                v = min(ratio, cap)
+                loss_t *= v
+                v_sum, n_trunc = v_sum + v, n_trunc + (ratio > cap)
             pg += loss_t
             ent += float(b["ent"][i, t])
             if replay:
@@ -71,9 +78,12 @@ def ref_loss(b: dict, mixed: bool, mode: str, coeff: float) -> tuple[float, dict
                 clipped += was_clipped
                 kl += math.exp(lp - old) - 1 - (lp - old)
     loss = pg / pg_norm - coeff * ent / n_tok
-    return loss, dict(clipped_token_count=clipped, fresh_token_count=n_fresh, replay_token_count=n_replay,
-                      replay_weight_sum=wsum, replay_weight_max=wmax, replay_shaped_weight_sum=fsum,
-                      entropy_sum=ent, approx_kl_sum=kl, token_count=n_tok)
+    metrics = dict(clipped_token_count=clipped, fresh_token_count=n_fresh, replay_token_count=n_replay,
+                   replay_weight_sum=wsum, replay_weight_max=wmax, replay_shaped_weight_sum=fsum,
+                   entropy_sum=ent, approx_kl_sum=kl, token_count=n_tok)
+    if cap > 0:
+        metrics.update(fresh_is_weight_sum=v_sum, fresh_is_truncated_count=n_trunc)
+    return loss, metrics
 
 
 def random_batch(seed: int, b: int = 6, t: int = 9) -> dict:

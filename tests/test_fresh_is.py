@@ -19,7 +19,7 @@ from exgrpo_megatron.algo.loss import (
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.experience.schedule import Phase
-from tests.test_algo_loss import T_MAX, random_batch, ref_token_loss
+from tests.test_algo_loss import T_MAX, random_batch, ref_loss
 
 CAP = 1.5
 VARIANTS = ["exgrpo", "grpo", "rloo", "dapo"]
@@ -36,31 +36,6 @@ def _batch(seed: int) -> dict:
     g = torch.Generator().manual_seed(100 + seed)
     b["gen"] = b["old"] + 0.8 * torch.randn(b["old"].shape, generator=g, dtype=torch.float64)
     return b
-
-
-def _ref_tis_loss(b: dict, mixed: bool, mode: str, coeff: float, cap: float) -> tuple[float, dict]:
-    """float64, token by token: fresh l x min(exp(old - gen), cap), replayed l unweighted."""
-    n_tok = int(b["mask"].sum())
-    n_seq = int((b["mask"].sum(1) > 0).sum())
-    pg_norm = T_MAX * n_seq if mode == "token_sum_constant" else n_tok
-    pg = ent = v_sum = 0.0
-    n_trunc = n_fresh = 0
-    for i in range(b["lp"].shape[0]):
-        for t in range(b["lp"].shape[1]):
-            if not b["mask"][i, t]:
-                continue
-            lp, old, beh = float(b["lp"][i, t]), float(b["old"][i, t]), float(b["beh"][i, t])
-            replay = bool(b["replay"][i])
-            loss_t, _ = ref_token_loss(lp, old, beh, float(b["adv"][i]), replay, mixed)
-            if not replay:
-                ratio = math.exp(old - float(b["gen"][i, t]))
-                v = min(ratio, cap)
-                loss_t *= v
-                v_sum, n_fresh, n_trunc = v_sum + v, n_fresh + 1, n_trunc + (ratio > cap)
-            pg += loss_t
-            ent += float(b["ent"][i, t])
-    return pg / pg_norm - coeff * ent / n_tok, dict(fresh_is_weight_sum=v_sum, fresh_is_truncated_count=n_trunc,
-                                                    fresh_token_count=n_fresh)
 
 
 def _run(b: dict, mixed: bool, mode: str, weights=None, entropy=True, lp=None, **kw):
@@ -89,7 +64,7 @@ def test_loss_with_tis_matches_reference(mixed, mode):
     b = _batch(seed=5 + mixed)
     # the weights of every row, replayed ones included: the loss must apply them to fresh tokens only
     loss, metrics = _run(b, mixed, mode, truncated_is_weight(b["old"], b["gen"], CAP))
-    ref, ref_metrics = _ref_tis_loss(b, mixed, mode, 0.001, CAP)
+    ref, ref_metrics = ref_loss(b, mixed, mode, 0.001, cap=CAP)
     assert loss.item() == pytest.approx(ref, rel=1e-12, abs=1e-12)
     assert 0 < ref_metrics["fresh_is_truncated_count"] < ref_metrics["fresh_token_count"]  # the cap binds on some
     assert bool(b["replay"].any()) and not bool(b["replay"].all())
@@ -160,7 +135,7 @@ def test_every_variant_weights_fresh_tokens_by_the_cap(name):
         ref_b = dict(b, replay=replay, beh=off.replay_denominator_logprobs(b["old"], gen, replay) if name == "exgrpo"
                      else b["old"])
         n_tok = float(b["mask"].sum())
-        ref, ref_metrics = _ref_tis_loss(ref_b, not on.clips(phase), "token_mean", 0.0, CAP)
+        ref, ref_metrics = ref_loss(ref_b, not on.clips(phase), "token_mean", 0.0, cap=CAP)
         ref_ent = on.entropy_coeff * float(b["ent"][b["mask"]].sum()) / 13.0
         assert float(loss_on) == pytest.approx(ref * n_tok / 11.0 - ref_ent, rel=1e-12)
         assert float(loss_on) != float(loss_off)
