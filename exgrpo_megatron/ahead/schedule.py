@@ -179,8 +179,7 @@ def _group_json(g: QuestionGroup) -> dict:
                                             "logprobs": g.replay.logprobs.tolist(), "step": g.replay.step}
     current = None if g.replay_current_logprobs is None else np.asarray(g.replay_current_logprobs).tolist()
     return {"qid": g.qid, "prompt_ids": list(g.prompt_ids), "answer": g.answer, "replay": replay,
-            "bucket": g.bucket, "replay_current_logprobs": current,
-            "current_dtype": None if current is None else str(np.asarray(g.replay_current_logprobs).dtype)}
+            "bucket": g.bucket, "replay_current_logprobs": current}
 
 
 def _group_from_json(d: dict) -> QuestionGroup:
@@ -189,7 +188,7 @@ def _group_from_json(d: dict) -> QuestionGroup:
                                                np.asarray(r["logprobs"], dtype=np.float32), int(r["step"]))
     current = d["replay_current_logprobs"]
     return QuestionGroup(int(d["qid"]), list(d["prompt_ids"]), d["answer"], replay, d["bucket"],
-                         None if current is None else np.asarray(current, dtype=d["current_dtype"]))
+                         None if current is None else np.asarray(current, dtype=np.float32))
 
 
 def _result_json(r: RolloutResult) -> dict:
