@@ -205,7 +205,8 @@ def main() -> None:
     extra: tuple[str, ...] = ()
     results_path = RESULTS
     if args.max_staleness > 0:
-        extra = (f"rollout.max_staleness={args.max_staleness}", *AHEAD[1:])
+        extra = (f"rollout.max_staleness={args.max_staleness}",
+                 *(o for o in AHEAD if not o.startswith("rollout.max_staleness=")))
         results_path = RESULTS_AHEAD
         args.work_dir += "_ahead"
     work = Path(args.work_dir)
