@@ -7,7 +7,8 @@ it with the reward grader's sink (`StreamingGrading`, the grader pool); benchmar
 own (`BenchmarkSink`: boxed + Math-Verify labels per sample), inside one `awake()` span for all its engine calls.
 
 Seeds: a step's generation round r samples with `rollout_seed(seed, step, r)`; per-request seeds are the question
-ids (rollout/groups.py), so a question's samples do not depend on which rank or process generates it.
+ids (rollout/groups.py; evaluate.py: the unique question's index), so a question's samples do not depend on
+which rank, process or batch generates it.
 """
 
 from __future__ import annotations
