@@ -11,17 +11,19 @@ Benchmarks: the six in-distribution math ones and the paper's out-of-distributio
 (``arc_c``, ``gpqa_diamond``, ``mmlu_pro``: ``reward.multiple_choice``), told apart by ``data_source``; the
 table lists math first, then OOD, then the paper's averages (avg ID, avg OOD, avg all).
 
-Grading of every generation (``reward.benchmark_grading``, in worker processes while the next engine call
-generates): the boxed grader (``reward.boxed``, the label that counts, as the reference's OAT grader; for a
-multiple-choice row the boxed option letter) and Math-Verify as a second opinion; both are recorded,
-disagreements counted. When the rendered prompt ends with ``<think>\\n`` (templates ``own`` and
-``plain``; ``chat`` only if the tokenizer's template adds it) a response without ``</think>`` is wrong under
-both, and only the text after ``</think>`` is graded (the reference rule).
+Grading of every generation (``reward.benchmark_grading``, in worker processes, each response as soon as the
+engine batch that finishes it is done): the boxed grader (``reward.boxed``, the label that counts, as the
+reference's OAT grader; for a multiple-choice row the boxed option letter) and Math-Verify as a second opinion;
+both are recorded, disagreements counted. When the rendered prompt ends with ``<think>\\n`` (templates ``own``
+and ``plain``; ``chat`` only if the tokenizer's template adds it) a response without ``</think>`` is wrong
+under both, and only the text after ``</think>`` is graded (the reference rule).
 
 Metric per benchmark (k samples for each of its Q questions, c_qj = 1 if sample j of question q is correct):
     avg@k = (1/Q) * sum_q (1/k) * sum_j c_qj        (pass@1 is the same with k = 1)
 
-Generation goes through a ``RolloutEngine`` (megatron-core engine; vLLM on GPU). The model is a Hugging
+Generation goes through the rollout service (``rollout_service.py``: wake, generate, sleep, refit timing;
+training and validation generate through it too) over a ``RolloutEngine`` (megatron-core engine; vLLM on GPU),
+with the benchmark grading as its grading sink (``BenchmarkSink``). The model is a Hugging
 Face directory (converted once to a temporary megatron checkpoint) or one of our checkpoints (run dir,
 ``checkpoints/`` dir or ``step_X/`` dir with ``model/`` + ``model_config.yaml``). Nothing is downloaded.
 Outputs: ``<out>/generations.jsonl`` (one line per generation) and ``<out>/summary.json``.
@@ -39,16 +41,23 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from exgrpo_megatron.config.schema import CHOICES
-from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading, combine_labels, grade_generation  # noqa: F401
+from exgrpo_megatron.data.step_plan import QuestionGroup
+from exgrpo_megatron.data.tokenizer import Tokenizer
+from exgrpo_megatron.reward.benchmark_grading import (  # noqa: F401  (combine_labels, grade_generation: re-exported)
+    BenchmarkGrading,
+    BenchmarkSink,
+    Question,
+    combine_labels,
+    grade_generation,
+)
 from exgrpo_megatron.reward.multiple_choice import is_multiple_choice
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
+from exgrpo_megatron.rollout_service import Generated, RolloutService
 
 DEFAULT_AVG_K: dict[str, int] = {"aime24": 32, "aime25": 32, "amc": 32}
-THINK_PREFIX = "<think>\n"
 
 
 # ----------------------------------------------------------------------------------------- pure parts
@@ -123,18 +132,6 @@ def averages(table: dict[str, dict]) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------------------- pipeline
 @dataclass(frozen=True)
-class Question:
-    """One unique (data_source, question, gold); ``qids`` are the dataset rows that carry it."""
-
-    index: int
-    data_source: str
-    question: str
-    gold: str
-    prompt_ids: list[int]
-    qids: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
 class EvalSettings:
     template: str = "own"
     temperature: float = 0.6
@@ -159,30 +156,25 @@ def group_questions(examples) -> list[Question]:
     return list(index.values())
 
 
-def prompt_requires_think(prompt_text: str) -> bool:
-    """The reference rule: a prompt ending with ``<think>\\n`` makes ``</think>`` mandatory in the response."""
-    return prompt_text.endswith(THINK_PREFIX)
+def evaluate_questions(questions: Sequence[Question], rollout: RolloutService, tokenizer: Tokenizer,
+                       settings: EvalSettings, jsonl_path: str | None = None,
+                       grading: BenchmarkGrading | None = None) -> list[dict]:
+    """Generate k samples per question (k by its data_source) through the rollout service, grade them, append
+    records to ``jsonl_path``.
 
-
-def evaluate_questions(questions: Sequence[Question], engine: RolloutEngine, tokenizer, settings: EvalSettings,
-                       jsonl_path: str | None = None, grading: BenchmarkGrading | None = None) -> list[dict]:
-    """Generate k samples per question (k by its data_source), grade them, append records to ``jsonl_path``.
-
-    Sample j of question q uses request seed q.index, so results do not depend on the batching. Each engine
-    call's responses go to ``grading`` at once and are graded while the next call generates; a call's records
+    Sample j of question q uses request seed q.index, so results do not depend on the batching. The engine stays
+    awake for all calls of ``settings.prompts_per_call`` questions; each call's responses go to ``grading`` (a
+    ``BenchmarkSink``) as its engine batches finish and are graded while the next call generates; a call's records
     are written when the next call has returned (the last ones at the end), in generation order. With
     ``grading=None`` (non-zero ranks of a TP group) only the generation runs."""
     records: list[dict] = []
     sink = open(jsonl_path, "w", encoding="utf-8") if jsonl_path else None
-    pending: list[list[tuple[dict, Future]]] = []  # per engine call: records waiting for their verdicts
 
-    def finish(calls: list[list[tuple[dict, Future]]]) -> None:
-        for call in calls:
-            for rec, verdict in call:
-                rec.update(verdict.result())
-                records.append(rec)
-                if sink:
-                    sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    def finish(call: Generated[BenchmarkSink] | None) -> None:
+        for rec in call.grading.result() if call else []:
+            records.append(rec)
+            if sink:
+                sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
         if sink:
             sink.flush()
 
@@ -192,23 +184,15 @@ def evaluate_questions(questions: Sequence[Question], engine: RolloutEngine, tok
             by_k.setdefault(samples_per_question(q.data_source, settings.avg_k), []).append(q)
         params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                 top_p=settings.top_p, stop_token_ids=list(settings.stop_token_ids), seed=settings.seed)
-        for k, group in sorted(by_k.items()):
-            for start in range(0, len(group), settings.prompts_per_call):
-                block = group[start:start + settings.prompts_per_call]
-                outputs = engine.generate([q.prompt_ids for q in block], k, params, [q.index for q in block])
-                if grading is None:
-                    continue
-                call = []
-                for q, samples in zip(block, outputs, strict=True):
-                    require_think = prompt_requires_think(tokenizer.decode(q.prompt_ids))
-                    for j, sample in enumerate(samples):
-                        response = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-                        rec = {"data_source": q.data_source, "question_index": q.index, "sample_index": j,
-                               "qids": q.qids, "question": q.question, "gold": q.gold, "response": response,
-                               "finish_reason": sample.finish_reason, "response_tokens": len(sample.response_ids)}
-                        call.append((rec, grading.submit(response, q.gold, require_think, q.data_source, q.question)))
-                finish(pending)  # the previous call's verdicts, graded while this call generated
-                pending = [call]
+        pending: Generated[BenchmarkSink] | None = None  # the previous call: records waiting for their verdicts
+        with rollout.awake():
+            for k, group in sorted(by_k.items()):
+                for start in range(0, len(group), settings.prompts_per_call):
+                    block = group[start:start + settings.prompts_per_call]
+                    groups = [QuestionGroup(q.index, q.prompt_ids, q.gold) for q in block]  # request seed: q.index
+                    call = rollout.generate_into(groups, k, params, BenchmarkSink(grading, tokenizer, block))
+                    finish(pending)  # the previous call's verdicts, graded while this call generated
+                    pending = call
         finish(pending)
     finally:
         if sink:
@@ -377,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict]:
     start = time.perf_counter()
     with BenchmarkGrading(settings.grade_workers, settings.grade_timeout_seconds) if is_writer \
             else contextlib.nullcontext() as grading:
-        records = evaluate_questions(questions, engine, tokenizer, settings,
+        records = evaluate_questions(questions, RolloutService(engine), tokenizer, settings,
                                      os.path.join(args.out, "generations.jsonl") if is_writer else None, grading)
     table = aggregate(records)
     converted = os.path.join(args.out, "converted_checkpoint")

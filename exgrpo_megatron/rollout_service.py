@@ -1,16 +1,22 @@
 """The rollout service: question groups in, sampled and graded groups out.
 
-One owner of wake -> generate (each engine batch's groups go to the grader pool as soon as they finish, so
-grading overlaps generation) -> sleep, and of the sampling seeds. The training step, in-training validation
-and the generator process of a run generating ahead (ahead/generator.py) all generate through it.
+One owner of wake -> generate (each engine batch's groups go to a grading sink as soon as they finish, so
+grading overlaps generation) -> sleep, of the refit timing and of the sampling seeds. The training step,
+in-training validation and the generator process of a run generating ahead (ahead/generator.py) generate through
+it with the reward grader's sink (`StreamingGrading`, the grader pool); benchmark evaluation (evaluate.py) with its
+own (`BenchmarkSink`: boxed + Math-Verify labels per sample), inside one `awake()` span for all its engine calls.
 
 Seeds: a step's generation round r samples with `rollout_seed(seed, step, r)`; per-request seeds are the question
-ids (rollout/groups.py), so a question's samples do not depend on which rank or process generates it.
+ids (rollout/groups.py; evaluate.py: the unique question's index), so a question's samples do not depend on
+which rank, process or batch generates it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any, Generic, Protocol, TypeVar
 
 from exgrpo_megatron.data.step_plan import QuestionGroup
 from exgrpo_megatron.data.tokenizer import Tokenizer
@@ -30,27 +36,69 @@ def rollout_seed(seed: int, step: int, refill_round: int) -> int:
     return step_seed(seed, step) if refill_round == 0 else step_seed(seed * 7919 + refill_round, step)
 
 
+ResultT = TypeVar("ResultT", covariant=True)
+
+
+class GradingSink(Protocol[ResultT]):
+    """Where generated groups go as they finish: `submit(indices, samples)` (group indices into the call's groups,
+    one sample list per group) returns at once; `result()` then waits for the verdicts of every group."""
+
+    def submit(self, indices: list[int], samples: list[list[Sample]]) -> None: ...
+
+    def result(self) -> ResultT: ...
+
+
+SinkT = TypeVar("SinkT", bound=GradingSink[Any])
+
+
 @dataclass
-class GeneratedGroups:
+class Generated(Generic[SinkT]):
     samples: list[list[Sample]]  # per group, in the groups' order
-    grading: StreamingGrading  # under way; `.result()` waits for the rewards
+    grading: SinkT  # under way; `.result()` waits for the verdicts
     refit_seconds: float  # seconds the engine spent refitting its weights first (vLLM; part of generation)
 
 
-class RolloutService:
-    """Generation and grading for this process (`engine`: this rank's rollout engine; `grader`: its pool)."""
+GeneratedGroups = Generated[StreamingGrading]  # graded by the reward grader (training, validation)
 
-    def __init__(self, engine: RolloutEngine, grader: GraderPool, tokenizer: Tokenizer, require_think: bool) -> None:
+
+class RolloutService:
+    """Generation and grading for this process (`engine`: this rank's rollout engine; `grader`: its reward pool,
+    None where only `generate_into` with a caller's sink is used: evaluate.py)."""
+
+    def __init__(self, engine: RolloutEngine, grader: GraderPool | None = None, tokenizer: Tokenizer | None = None,
+                 require_think: bool = False) -> None:
         self.engine, self.grader, self.tokenizer, self.require_think = engine, grader, tokenizer, require_think
+        self._awake = False
+
+    @contextmanager
+    def awake(self) -> Iterator[None]:
+        """The engine awake for the block: wake, then sleep after it; inside an `awake()` block already, nothing."""
+        if self._awake:
+            yield
+            return
+        self.engine.wake()
+        self._awake = True
+        try:
+            yield
+        finally:
+            self._awake = False
+        self.engine.sleep()  # not after an error (as before the service: the run stops there)
+
+    def generate_into(self, groups: list[QuestionGroup], n: int, params: SamplingParams,
+                      sink: SinkT) -> Generated[SinkT]:
+        """n samples per group (a replayed group: n-1 and its stored trajectory), each engine batch's groups
+        submitted to `sink` as they finish. Request seeds are the groups' qids (rollout/groups.py)."""
+        refit_before = self.refit_seconds_total()  # vLLM refits before generating when its weights are stale
+        with self.awake():
+            samples = generate_groups(self.engine, groups, n, params, on_chunk=sink.submit)
+        return Generated(samples, sink, self.refit_seconds_total() - refit_before)
 
     def generate(self, groups: list[QuestionGroup], n: int, params: SamplingParams) -> GeneratedGroups:
-        """n samples per group (a replayed group: n-1 and its stored trajectory), graded as they finish."""
-        grading = StreamingGrading(self.grader, self.tokenizer, groups, self.require_think)
-        refit_before = self.refit_seconds_total()  # vLLM refits before generating when its weights are stale
-        self.engine.wake()
-        samples = generate_groups(self.engine, groups, n, params, on_chunk=grading.submit)
-        self.engine.sleep()
-        return GeneratedGroups(samples, grading, self.refit_seconds_total() - refit_before)
+        """`generate_into` the reward grader's sink: one reward per sample."""
+        if self.grader is None or self.tokenizer is None:
+            raise ValueError("RolloutService.generate: this service has no reward grader; use generate_into")
+        return self.generate_into(groups, n, params,
+                                  StreamingGrading(self.grader, self.tokenizer, groups, self.require_think))
 
     def training_round(self, groups: list[QuestionGroup], n: int, sampling: SamplingParams, seed: int, step: int,
                        refill_round: int = 0) -> GeneratedGroups:
@@ -58,7 +106,7 @@ class RolloutService:
         return self.generate(groups, n, replace(sampling, seed=rollout_seed(seed, step, refill_round)))
 
     def rewards(self, groups: list[QuestionGroup], n: int, params: SamplingParams) -> list[float]:
-        """The rewards of n samples per group, flat, group by group (validation and evaluation)."""
+        """The rewards of n samples per group, flat, group by group (in-training validation)."""
         return self.generate(groups, n, params).grading.result().rewards
 
     def refit_seconds_total(self) -> float:
@@ -66,4 +114,5 @@ class RolloutService:
 
     def close(self) -> None:
         """Stop the grader's worker processes."""
-        self.grader.close()
+        if self.grader is not None:
+            self.grader.close()

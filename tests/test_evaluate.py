@@ -26,6 +26,7 @@ from exgrpo_megatron.evaluate import (
 from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading
 from exgrpo_megatron.reward.boxed import grade_boxed, last_boxed_content, normalize_answer
 from exgrpo_megatron.rollout.types import Sample, SamplingParams
+from exgrpo_megatron.rollout_service import RolloutService
 from tests.helpers.multirank import run_on_ranks
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "eval_small.jsonl")
@@ -143,7 +144,7 @@ class ScriptedEngine:
         self.by_prompt = {tuple(tokenizer.encode(render_prompt(q, template))): rs for q, rs in SCRIPT.items()}
         self.calls: list[tuple[int, int, list[int] | None]] = []
 
-    def generate(self, prompts, n, params: SamplingParams, request_seeds=None):
+    def generate(self, prompts, n, params: SamplingParams, request_seeds=None, on_prompts_done=None):
         self.calls.append((len(prompts), n, request_seeds))
         out = []
         for p in prompts:
@@ -151,16 +152,18 @@ class ScriptedEngine:
             assert len(texts) == n
             out.append([Sample(list(p), self.tokenizer.encode(t) + [self.tokenizer.eos_token_id],
                                [0.0] * (len(self.tokenizer.encode(t)) + 1), "eos") for t in texts])
+        for i in reversed(range(len(prompts))) if on_prompts_done else []:  # prompts finishing last to first
+            on_prompts_done([i], [out[i]])
         return out
 
     def update_weights(self):
         pass
 
     def sleep(self):
-        pass
+        self.calls.append(("sleep",))
 
     def wake(self):
-        pass
+        self.calls.append(("wake",))
 
 
 def test_fixture_pipeline_with_scripted_answers(tmp_path):
@@ -173,11 +176,16 @@ def test_fixture_pipeline_with_scripted_answers(tmp_path):
     settings = EvalSettings(template="plain", avg_k={"aime24": 4}, prompts_per_call=2)
     path = str(tmp_path / "gen.jsonl")
     with BenchmarkGrading(num_workers=2) as grading:
-        records = evaluate_questions(questions, engine, tok, settings, jsonl_path=path, grading=grading)
+        records = evaluate_questions(questions, RolloutService(engine), tok, settings, jsonl_path=path,
+                                     grading=grading)
     table = aggregate(records)
 
-    assert sorted(n for _, n, _ in engine.calls) == [1, 1, 4]  # k=1 prompts in blocks of 2, then k=4
-    assert engine.calls[-1][2] == [0, 1]  # request seeds = question indices
+    assert engine.calls[0] == ("wake",) and engine.calls[-1] == ("sleep",)  # awake once for every call
+    calls = engine.calls[1:-1]
+    assert [(p, n) for p, n, _ in calls] == [(2, 1), (2, 1), (2, 4)]  # k=1 prompts in blocks of 2, then k=4
+    assert [seeds for _, _, seeds in calls] == [[2, 3], [4, 5], [0, 1]]  # request seeds = question indices
+    order = [(2, 0), (3, 0), (4, 0), (5, 0)] + [(q, j) for q in (0, 1) for j in range(4)]  # question, sample
+    assert [(r["question_index"], r["sample_index"]) for r in records] == order  # generation order
     assert table["aime24"]["metric"] == "avg@4"
     assert table["aime24"]["accuracy"] == pytest.approx((2 / 4 + 3 / 4) / 2)
     assert table["aime24"]["math_verify_accuracy"] == pytest.approx((3 / 4 + 3 / 4) / 2)
@@ -186,7 +194,7 @@ def test_fixture_pipeline_with_scripted_answers(tmp_path):
     assert table["math500"]["accuracy"] == pytest.approx(2 / 3)
     assert table["minerva"]["accuracy"] == 1.0
     lines = [json.loads(line) for line in open(path, encoding="utf-8")]
-    assert len(lines) == 2 * 4 + 3 + 1
+    assert lines == records and len(lines) == 2 * 4 + 3 + 1
     first = lines[[r["question"] for r in lines].index("What is 2+3?") + 3]
     assert first["gold"] == "5" and first["response"] == "</think> The answer is 5"
     assert (first["boxed_correct"], first["math_verify_correct"], first["correct"], first["disagree"]) == (

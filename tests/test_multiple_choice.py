@@ -25,6 +25,7 @@ from exgrpo_megatron.evaluate import (
 from exgrpo_megatron.reward import multiple_choice as mc
 from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading, grade_generation
 from exgrpo_megatron.rollout.types import Sample
+from exgrpo_megatron.rollout_service import RolloutService
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MC_FIXTURE, MATH_FIXTURE = str(FIXTURES / "eval_mc_small.jsonl"), str(FIXTURES / "eval_small.jsonl")
@@ -109,11 +110,20 @@ class _Engine:
     def __init__(self, tokenizer, responses: dict[tuple[int, ...], str], events: list[tuple[str, int]]):
         self.tokenizer, self.responses, self.events = tokenizer, responses, events
 
-    def generate(self, prompts, n, params, request_seeds=None):
+    def generate(self, prompts, n, params, request_seeds=None, on_prompts_done=None):
         self.events.append(("generate", len(prompts)))
-        return [[Sample(list(p), self.tokenizer.encode(self.responses[tuple(p)]) + [self.tokenizer.eos_token_id],
-                        [0.0] * (len(self.tokenizer.encode(self.responses[tuple(p)])) + 1), "eos")] * n
-                for p in prompts]
+        out = [[Sample(list(p), self.tokenizer.encode(self.responses[tuple(p)]) + [self.tokenizer.eos_token_id],
+                       [0.0] * (len(self.tokenizer.encode(self.responses[tuple(p)])) + 1), "eos")] * n
+               for p in prompts]
+        if on_prompts_done is not None:  # the whole call is one batch
+            on_prompts_done(list(range(len(prompts))), out)
+        return out
+
+    def wake(self):
+        pass
+
+    def sleep(self):
+        pass
 
 
 class _Verdict:
@@ -154,7 +164,7 @@ def test_id_and_ood_in_one_table_graded_while_generating(tmp_path):
     events: list[tuple[str, int]] = []
     settings = EvalSettings(template="plain", avg_k={}, prompts_per_call=4)
     with BenchmarkGrading(num_workers=2, timeout_seconds=3) as grading:
-        records = evaluate_questions(questions, _Engine(tok, responses, events), tok, settings,
+        records = evaluate_questions(questions, RolloutService(_Engine(tok, responses, events)), tok, settings,
                                      jsonl_path=str(tmp_path / "gen.jsonl"), grading=_RecordingGrading(grading, events))
     # 11 questions in calls of 4, 4, 3: a call's verdicts are collected after the next call has generated
     assert _compress(events) == [("generate", 4), ("submit", 4), ("generate", 4), ("submit", 4), ("result", 4),

@@ -5,8 +5,9 @@ Labels (docs/exgrpo.md): the boxed grader decides (``reward.boxed`` for math, th
 grader; ``reward.multiple_choice`` for the OOD multiple-choice benchmarks: the boxed option letter);
 Math-Verify (``reward.scoring.score_response``) is a second opinion; a different verdict is a disagreement.
 
-:class:`BenchmarkGrading` overlaps grading with generation as a training step does: the caller submits each
-response as soon as its engine call returns and collects the verdicts later, in submission order. Both graders
+:class:`BenchmarkGrading` overlaps grading with generation as a training step does: :class:`BenchmarkSink` is the
+rollout service's grading sink of one engine call (rollout_service.py), so each response goes to the pool as soon
+as the engine batch that finishes it is done, and the verdicts are collected later, in question order. Both graders
 bound their work with Math-Verify's ``signal.alarm`` timeouts, which work only on a process's main thread, so
 they run in a small process pool (each worker grades on its main thread), never in a thread.
 """
@@ -14,8 +15,30 @@ they run in a small process pool (each worker grades on its main thread), never 
 from __future__ import annotations
 
 from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
 
+from exgrpo_megatron.data.tokenizer import Tokenizer
 from exgrpo_megatron.reward.grader import grader_forkserver_context
+from exgrpo_megatron.rollout.types import Sample
+
+THINK_PREFIX = "<think>\n"
+
+
+@dataclass(frozen=True)
+class Question:
+    """One unique (data_source, question, gold); ``qids`` are the dataset rows that carry it."""
+
+    index: int
+    data_source: str
+    question: str
+    gold: str
+    prompt_ids: list[int]
+    qids: list[int] = field(default_factory=list)
+
+
+def prompt_requires_think(prompt_text: str) -> bool:
+    """The reference rule: a prompt ending with ``<think>\\n`` makes ``</think>`` mandatory in the response."""
+    return prompt_text.endswith(THINK_PREFIX)
 
 
 def combine_labels(boxed_correct: bool, math_verify_correct: bool) -> tuple[bool, bool]:
@@ -63,3 +86,36 @@ class BenchmarkGrading:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class BenchmarkSink:
+    """The grading sink of one engine call over ``questions`` (rollout_service.GradingSink): each finished
+    question's samples become generation records (response decoded without special tokens), submitted to
+    ``grading`` at once; :meth:`result` waits for the verdicts and returns the records question by question,
+    sample by sample. With ``grading=None`` (ranks != 0 of a TP group) nothing is graded or recorded."""
+
+    def __init__(self, grading: BenchmarkGrading | None, tokenizer: Tokenizer, questions: list[Question]) -> None:
+        self.grading, self.tokenizer, self.questions = grading, tokenizer, questions
+        self._pending: list[list[tuple[dict, Future]]] = [[] for _ in questions]  # per question: (record, verdict)
+
+    def submit(self, indices: list[int], samples: list[list[Sample]]) -> None:
+        if self.grading is None:
+            return
+        for i, group in zip(indices, samples, strict=True):
+            q = self.questions[i]
+            require_think = prompt_requires_think(self.tokenizer.decode(q.prompt_ids))
+            for j, sample in enumerate(group):
+                response = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+                rec = {"data_source": q.data_source, "question_index": q.index, "sample_index": j, "qids": q.qids,
+                       "question": q.question, "gold": q.gold, "response": response,
+                       "finish_reason": sample.finish_reason, "response_tokens": len(sample.response_ids)}
+                verdict = self.grading.submit(response, q.gold, require_think, q.data_source, q.question)
+                self._pending[i].append((rec, verdict))
+
+    def result(self) -> list[dict]:
+        records = []
+        for question_records in self._pending:
+            for rec, verdict in question_records:
+                rec.update(verdict.result())
+                records.append(rec)
+        return records
