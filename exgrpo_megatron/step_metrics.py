@@ -1,4 +1,6 @@
-"""Per-step metrics, reduced over data-parallel ranks (each DP rank saw a share of the groups).
+"""Per-step metrics: each verb of the step returns what it measured on this rank (`rollout_sums`, the
+mismatch, `UpdateMetrics`; together `TrainMetrics`), and `dp_reduce` reduces their totals over the data-parallel
+ranks once (each DP rank saw a share of the groups). The step's one clock: `StepTimer`.
 
 Metrics only report: nothing here steers the run (the phase is `experience.schedule`'s, fed by
 `schedule.solved_fraction`)."""
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,72 +66,110 @@ def consecutive_skips_after(before: int, skipped: list[bool]) -> int:
     return before
 
 
-class StepTotals:
-    def __init__(self, dp_group: Any = None):
-        self.dp_group = dp_group  # the data-parallel gloo group; None: one DP rank
-        self.sums: dict[str, float] = {}
-        self.maxes: dict[str, float] = {}
-        self.loss_sums: dict[str, float] = {}
-        self.loss_maxes: dict[str, float] = {}
-        self.updates: list[UpdateResult] = []
+def rollout_sums(rows: RolloutRows) -> dict[str, float]:
+    """Reward / length / token sums and counts of this rank's rows (the step's means divide their DP sums)."""
+    fresh = [r for r, rep in zip(rows.rewards, rows.is_replay, strict=True) if not rep]
+    replay = [r for r, rep in zip(rows.rewards, rows.is_replay, strict=True) if rep]
+    return {"reward_sum": float(sum(rows.rewards)), "reward_n": float(len(rows.rewards)),
+            "fresh_sum": float(sum(fresh)), "fresh_n": float(len(fresh)), "replay_sum": float(sum(replay)),
+            "replay_n": float(len(replay)), "length_sum": float(sum(rows.response_lengths)),
+            "tokens": float(sum(len(s) for s in rows.sequences))}
 
-    def all_reduce_dp(self, t: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.dp_group is not None:
-            dist.all_reduce(t, op=op, group=self.dp_group)
-        return t
 
-    def _add(self, **kv: float) -> None:
-        for k, v in kv.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+@dataclass(frozen=True)
+class UpdateMetrics:
+    """One mini-batch update on this rank: the optimizer step's result, each micro-batch's loss metrics in the
+    order they ran (kept per micro-batch so that the step's sums are one running sum, as floats round), and the
+    (sum, count) of the engine-vs-trainer mismatch its loss measured ((0, 0) when it did not: `pop_mismatch`)."""
 
-    def add_rollouts(self, batch: RolloutRows, grader_deaths: int) -> None:
-        """Reward / length / token counts of this rank's rows."""
-        fresh = [r for r, rep in zip(batch.rewards, batch.is_replay, strict=True) if not rep]
-        replay = [r for r, rep in zip(batch.rewards, batch.is_replay, strict=True) if rep]
-        lengths = batch.response_lengths
-        self._add(reward_sum=sum(batch.rewards), reward_n=len(batch.rewards), fresh_sum=sum(fresh),
-                  fresh_n=len(fresh), replay_sum=sum(replay), replay_n=len(replay), length_sum=sum(lengths),
-                  tokens=sum(len(s) for s in batch.sequences), grader_deaths=grader_deaths)
+    result: UpdateResult
+    loss_metrics: tuple[dict[str, float], ...]
+    mismatch: tuple[float, float]
 
-    def add_mismatch(self, total: float, count: float) -> None:
-        self._add(mismatch_sum=total, mismatch_n=count)
 
-    def add_loss_metrics(self, per_micro: list[dict[str, torch.Tensor]], reduce_op: Callable[[str], str]) -> None:
-        for m in per_micro:
-            for k, v in m.items():
-                if reduce_op(k) == "max":
-                    self.loss_maxes[k] = max(self.loss_maxes.get(k, 0.0), float(v))
-                else:
-                    self.loss_sums[k] = self.loss_sums.get(k, 0.0) + float(v)
+@dataclass(frozen=True)
+class TrainMetrics:
+    """What training on this rank's rows measured (`trainer.train_on`): the rows' `rollout_sums`, the mismatch
+    against a recomputed pi_old ((0, 0) when pi_old came from the rollout), the updates in order, and the rows
+    whose pi_old needed a forward pass."""
 
-    def add_update(self, update: UpdateResult) -> None:
-        self.updates.append(update)
+    rollouts: dict[str, float]
+    recomputed_mismatch: tuple[float, float]
+    updates: tuple[UpdateMetrics, ...]
+    forward_rows: int
 
-    def finish(self, loss_metrics: Callable[[dict[str, float]], dict[str, float]]) -> dict[str, float]:
-        """The step's metrics; `loss_metrics` maps the DP-reduced loss metrics to the algorithm's declared ones."""
-        keys = sorted(self.sums)
-        sums = self.all_reduce_dp(torch.tensor([self.sums[k] for k in keys], dtype=torch.float64))
-        s = dict(zip(keys, sums.tolist(), strict=True))
-        lkeys = sorted(self.loss_sums)
-        lsum = self.all_reduce_dp(torch.tensor([self.loss_sums[k] for k in lkeys] or [0.0], dtype=torch.float64))
-        mkeys = sorted(self.loss_maxes)
-        lmax = self.all_reduce_dp(torch.tensor([self.loss_maxes[k] for k in mkeys] or [0.0], dtype=torch.float64),
-                                  op=dist.ReduceOp.MAX)
-        reduced = {**dict(zip(lkeys, lsum.tolist(), strict=False)), **dict(zip(mkeys, lmax.tolist(), strict=False))}
 
-        def mean(a: str, b: str) -> float:
-            return s[a] / s[b] if s.get(b, 0.0) > 0 else 0.0
+@dataclass(frozen=True)
+class Totals:
+    """The step's totals: `sums` and `loss_sums` combine over DP ranks by SUM, `loss_maxes` by MAX
+    (the algorithm's `metric_reduce_op`)."""
 
-        return {
-            "reward/mean": mean("reward_sum", "reward_n"),
-            "reward/fresh_mean": mean("fresh_sum", "fresh_n"),
-            "reward/replay_mean": mean("replay_sum", "replay_n"),
-            "response_length/mean": mean("length_sum", "reward_n"),
-            "mismatch/token_mult_prob_error": mean("mismatch_sum", "mismatch_n"),
-            "reward/grader_worker_deaths": s.get("grader_deaths", 0.0),
-            "tokens/total": s.get("tokens", 0.0),
-            **loss_metrics(reduced),
-            "grad_norm": max((u.grad_norm for u in self.updates), default=0.0),
-            "lr": self.updates[-1].lr if self.updates else 0.0,
-            "optim/skipped_updates": float(sum(u.skipped for u in self.updates)),
-        }
+    sums: dict[str, float]
+    loss_sums: dict[str, float]
+    loss_maxes: dict[str, float]
+
+
+def local_totals(trained: TrainMetrics, grader_deaths: int, reduce_op: Callable[[str], str]) -> Totals:
+    """This rank's totals, folded in the order they were measured: the rows, the grader's worker deaths, the
+    mismatch (recomputed pi_old, then each update's loss), the forward rows; the loss metrics of every
+    micro-batch of every update (max-reduced keys start from 0)."""
+    sums: dict[str, float] = {}
+
+    def add(part: dict[str, float]) -> None:
+        for k, v in part.items():
+            sums[k] = sums.get(k, 0.0) + v
+
+    add(trained.rollouts)
+    add({"grader_deaths": float(grader_deaths)})
+    for total, count in (trained.recomputed_mismatch, *(u.mismatch for u in trained.updates)):
+        add({"mismatch_sum": total, "mismatch_n": count})
+    add({"forward_rows": float(trained.forward_rows)})
+    loss_sums: dict[str, float] = {}
+    loss_maxes: dict[str, float] = {}
+    for m in (m for u in trained.updates for m in u.loss_metrics):
+        for k, v in m.items():
+            if reduce_op(k) == "max":
+                loss_maxes[k] = max(loss_maxes.get(k, 0.0), v)
+            else:
+                loss_sums[k] = loss_sums.get(k, 0.0) + v
+    return Totals(sums, loss_sums, loss_maxes)
+
+
+def dp_reduce(local: Totals, dp_group: Any) -> Totals:
+    """The step's one reduction over the data-parallel (gloo) group: one SUM of the sums and loss sums, one MAX of
+    the loss maxes; `dp_group` None: one DP rank, nothing to reduce."""
+    if dp_group is None:
+        return local
+    skeys, lkeys, mkeys = sorted(local.sums), sorted(local.loss_sums), sorted(local.loss_maxes)
+    sums = torch.tensor([local.sums[k] for k in skeys] + [local.loss_sums[k] for k in lkeys], dtype=torch.float64)
+    maxes = torch.tensor([local.loss_maxes[k] for k in mkeys] or [0.0], dtype=torch.float64)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=dp_group)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
+    s = sums.tolist()
+    return Totals(dict(zip(skeys, s[:len(skeys)], strict=True)), dict(zip(lkeys, s[len(skeys):], strict=True)),
+                  dict(zip(mkeys, maxes.tolist(), strict=False)))
+
+
+def step_summary(reduced: Totals, updates: tuple[UpdateMetrics, ...],
+                 loss_metrics: Callable[[dict[str, float]], dict[str, float]]) -> dict[str, float]:
+    """The step's metrics from its DP-reduced totals; `loss_metrics` maps the reduced loss metrics to the
+    algorithm's declared ones. grad_norm / lr / skipped updates: the optimizer's, identical on every rank."""
+    s = reduced.sums
+
+    def mean(a: str, b: str) -> float:
+        return s[a] / s[b] if s.get(b, 0.0) > 0 else 0.0
+
+    return {
+        "reward/mean": mean("reward_sum", "reward_n"),
+        "reward/fresh_mean": mean("fresh_sum", "fresh_n"),
+        "reward/replay_mean": mean("replay_sum", "replay_n"),
+        "response_length/mean": mean("length_sum", "reward_n"),
+        "mismatch/token_mult_prob_error": mean("mismatch_sum", "mismatch_n"),
+        "reward/grader_worker_deaths": s.get("grader_deaths", 0.0),
+        "tokens/total": s.get("tokens", 0.0),
+        **loss_metrics({k: v for d in (reduced.loss_sums, reduced.loss_maxes) for k, v in sorted(d.items())}),
+        "grad_norm": max((u.result.grad_norm for u in updates), default=0.0),
+        "lr": updates[-1].result.lr if updates else 0.0,
+        "optim/skipped_updates": float(sum(u.result.skipped for u in updates)),
+    }
+

@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import torch
 
 from exgrpo_megatron.ahead.schedule import AheadGeneration
 from exgrpo_megatron.algo.loss import global_loss_counts
@@ -41,7 +40,18 @@ from exgrpo_megatron.rollout.group_filter import StepRollouts, filter_and_refill
 from exgrpo_megatron.rollout.types import Sample
 from exgrpo_megatron.rollout_service import GeneratedGroups, step_seed
 from exgrpo_megatron.run_state import RunState
-from exgrpo_megatron.step_metrics import StepTimer, StepTotals, consecutive_skips_after, pop_mismatch, rollout_mismatch
+from exgrpo_megatron.step_metrics import (
+    StepTimer,
+    TrainMetrics,
+    UpdateMetrics,
+    consecutive_skips_after,
+    dp_reduce,
+    local_totals,
+    pop_mismatch,
+    rollout_mismatch,
+    rollout_sums,
+    step_summary,
+)
 
 
 def train_step(c: Components, state: RunState, step: int) -> dict[str, float | str]:
@@ -50,7 +60,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float | s
     if state.ahead is not None:
         return train_step_ahead(c, state.ahead, state, step)
     phase = c.schedule.phase
-    totals, timer = StepTotals(c.dp_group), StepTimer()
+    timer = StepTimer()
     groups = plan_step(c, step, phase)
     mine = local_groups(groups, c.layout.dp_rank, c.layout.dp_size)
     generated = generate(c, mine, step)
@@ -61,10 +71,10 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float | s
     if c.algorithm.filters_groups:
         rollouts = refill_dropped_groups(c, rollouts, step)
         timer.lap("refill")
-    forward_rows = train_on(c, state, rollouts, phase, totals, timer, graded.n_worker_deaths)
+    trained = train_on(c, state, rollouts, phase, timer)
     collect_into_pool(c, rollouts, step)
     timer.lap("pool")
-    out = step_report(c, totals, timer, phase, groups, forward_rows, generated.refit_seconds)
+    out = step_report(c, trained, graded.n_worker_deaths, timer, phase, groups, generated.refit_seconds)
     out["reward/grader_timeouts"] = float(graded.n_timeouts_killed)
     if c.algorithm.filters_groups:
         out.update({"filter/dropped_groups": float(rollouts.dropped), "filter/refill_rounds": float(rollouts.rounds)})
@@ -74,7 +84,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float | s
 def train_step_ahead(c: Components, ahead: AheadGeneration, state: RunState, step: int) -> dict[str, float | str]:
     """One step generating ahead (ahead/schedule.py): take step t's rollouts -> pool + schedule -> ask for step
     t+s's (composed now, the current weights) -> batch -> pi_old -> update (the generator generates meanwhile)."""
-    totals, timer = StepTotals(c.dp_group), StepTimer()
+    timer = StepTimer()
     for t in ahead.steps_to_plan(step):  # the run's first steps (all from the initial weights)
         ahead.submit(t, c.schedule.phase.value, plan_step(c, t, c.schedule.phase), weights_step=step - 1)
     planned, result = ahead.take(step)
@@ -86,35 +96,36 @@ def train_step_ahead(c: Components, ahead: AheadGeneration, state: RunState, ste
     nxt = step + ahead.staleness
     ahead.submit(nxt, c.schedule.phase.value, plan_step(c, nxt, c.schedule.phase), weights_step=step - 1)
     timer.lap("pool")
-    forward_rows = train_on(c, state, rollouts, phase, totals, timer, result.grader_worker_deaths)
-    out = step_report(c, totals, timer, phase, planned.groups, forward_rows, 0.0)
+    trained = train_on(c, state, rollouts, phase, timer)
+    out = step_report(c, trained, result.grader_worker_deaths, timer, phase, planned.groups, 0.0)
     out.update({"reward/grader_timeouts": float(result.grader_timeouts),
                 "rollout/staleness": float(step - 1 - result.weights_step),
                 "time/generator_generate": result.generate_seconds, "time/generator_load_weights": result.load_seconds})
     return out
 
 
-def train_on(c: Components, state: RunState, rollouts: StepRollouts, phase: Phase, totals: StepTotals,
-             timer: StepTimer, grader_deaths: int) -> int:
-    """rows -> pi_old -> the updates; returns the rows whose pi_old needed a forward pass here."""
+def train_on(c: Components, state: RunState, rollouts: StepRollouts, phase: Phase, timer: StepTimer) -> TrainMetrics:
+    """rows -> pi_old -> the updates (the run's count of consecutive skipped updates moves on); returns what this
+    rank measured."""
     rows = build_rollout_rows(rollouts.samples, rollouts.rewards, c.algorithm.advantages)
-    totals.add_rollouts(rows, grader_deaths)
     batch, forward_rows = with_old_logprobs(c, rows, rollouts.groups)
-    totals.add_mismatch(*recomputed_mismatch(c, batch))
+    mismatch = recomputed_mismatch(c, batch)
     timer.lap("old_logprobs")
-    skipped = update_policy(c, batch, len(rollouts.groups), phase, totals)
-    state.consecutive_skips = consecutive_skips_after(state.consecutive_skips, skipped)
+    updates = update_policy(c, batch, len(rollouts.groups), phase)
+    state.consecutive_skips = consecutive_skips_after(state.consecutive_skips, [u.result.skipped for u in updates])
     timer.lap("update")
-    return forward_rows
+    return TrainMetrics(rollout_sums(rows), mismatch, tuple(updates), forward_rows)
 
 
-def step_report(c: Components, totals: StepTotals, timer: StepTimer, phase: Phase, groups: list[QuestionGroup],
-                forward_rows: int, refit_seconds: float) -> dict[str, float | str]:
-    out: dict[str, float | str] = dict(totals.finish(c.algorithm.step_metrics))
+def step_report(c: Components, trained: TrainMetrics, grader_deaths: int, timer: StepTimer, phase: Phase,
+                groups: list[QuestionGroup], refit_seconds: float) -> dict[str, float | str]:
+    """The step's metrics: what the ranks measured, reduced over DP once (step_metrics.py), and the step's own."""
+    reduced = dp_reduce(local_totals(trained, grader_deaths, c.algorithm.metric_reduce_op), c.dp_group)
+    out: dict[str, float | str] = dict(step_summary(reduced, trained.updates, c.algorithm.step_metrics))
     out.update({
         "phase": "warmup" if phase is Phase.WARMUP else "mixed",
         "experience/n_replayed": float(sum(g.replay is not None for g in groups)),
-        "old_logprobs/forward_rows": float(totals.all_reduce_dp(torch.tensor([float(forward_rows)]))[0]),
+        "old_logprobs/forward_rows": reduced.sums["forward_rows"],
         "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
     })
     out.update(step_times(timer, refit_seconds))
@@ -188,12 +199,12 @@ def recomputed_mismatch(c: Components, batch: TrainBatch) -> tuple[float, float]
     return rollout_mismatch(batch) if c.old_logprobs != "rollout" else (0.0, 0.0)
 
 
-def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase, totals: StepTotals) -> list[bool]:
+def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase) -> list[UpdateMetrics]:
     """The step's mini-batch updates (the paper: 2 per step), each over its share of the groups with normalisers
-    from its DP-global token and sequence counts. Returns which updates were skipped, in order."""
+    from its DP-global token and sequence counts. Returns each update's result and loss metrics, in order."""
     s = c.settings
     c.policy.train()
-    skipped = []
+    updates = []
     for u, chunk in enumerate(np.array_split(np.arange(n_groups), s.updates_per_step)):
         rows = batch.rows_of_groups(set(chunk.tolist()))
         counts = global_loss_counts([batch.response_lengths[i] for i in rows], c.dp_group)
@@ -203,12 +214,10 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase,
                              temperature=s.sampling.temperature, vocab_size=s.vocab_size)
         c.policy.zero_grad()
         metrics = c.policy.forward_backward(mbs, loss_fn) if mbs else []
-        totals.add_mismatch(*pop_mismatch(metrics))
-        totals.add_loss_metrics(metrics, c.algorithm.metric_reduce_op)
-        update = c.policy.optimizer_step(s.skip_grad_bound)
-        totals.add_update(update)
-        skipped.append(update.skipped)
-    return skipped
+        mismatch = pop_mismatch(metrics)
+        loss_metrics = tuple({k: float(v) for k, v in m.items()} for m in metrics)
+        updates.append(UpdateMetrics(c.policy.optimizer_step(s.skip_grad_bound), loss_metrics, mismatch))
+    return updates
 
 
 def collect_into_pool(c: Components, rollouts: StepRollouts, step: int) -> None:
