@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -29,6 +30,14 @@ from exgrpo_megatron.evaluation_loop import validate_accuracy
 from exgrpo_megatron.experience.schedule import legacy_state
 from exgrpo_megatron.logging import MetricsLogger, ProgressBar, save_resolved_config
 from exgrpo_megatron.policy.warm_start import warm_start_weights
+
+
+class Stateful(Protocol):
+    """A part whose state a checkpoint's trainer state carries under the part's name."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -87,12 +96,18 @@ class RunState:
         return False
 
     # ------------------------------------------------------------------ checkpoint
+    def stateful_parts(self) -> dict[str, Stateful]:
+        """The parts saved in the trainer state, by name: the experience schedule, the prompt sampler and,
+        generating ahead, the plans and rollouts in flight (ahead/schedule.py). The model, optimizer, LR schedule
+        and RNGs go through checkpoint/, the pool's shards beside them (`save`)."""
+        parts: dict[str, Stateful] = {"schedule": self.c.schedule, "sampler": self.c.sampler}
+        if self.ahead is not None:
+            parts["ahead"] = self.ahead
+        return parts
+
     def trainer_state(self) -> dict:
-        state = {"step": self.step, "consecutive_skips": self.consecutive_skips,
-                 "schedule": self.c.schedule.state_dict(), "sampler": self.c.sampler.state_dict()}
-        if self.ahead is not None:  # the plans and rollouts in flight (ahead/schedule.py)
-            state["ahead"] = self.ahead.state_dict()
-        return state
+        return {"step": self.step, "consecutive_skips": self.consecutive_skips,
+                **{name: part.state_dict() for name, part in self.stateful_parts().items()}}
 
     def save(self, step: int) -> None:
         if step == self.last_saved:
@@ -116,11 +131,10 @@ class RunState:
         ts = loaded.trainer_state
         self.step = self.last_saved = int(ts["step"])
         self.consecutive_skips = int(ts["consecutive_skips"])
-        schedule = ts["schedule"] if "schedule" in ts else legacy_state(ts["switch"], bool(ts["collected_once"]))
-        c.schedule.load_state_dict(schedule)
-        c.sampler.load_state_dict(ts["sampler"])
-        if self.ahead is not None:
-            self.ahead.load_state_dict(ts.get("ahead", {}))
+        if "schedule" not in ts:  # a checkpoint from before the schedule
+            ts = {**ts, "schedule": legacy_state(ts["switch"], bool(ts["collected_once"]))}
+        for name, part in self.stateful_parts().items():
+            part.load_state_dict(ts[name])
         if c.pool is not None and loaded.pool_shards:
             states = [{"arrays": arrays, "meta": meta} for arrays, meta in loaded.pool_shards]
             c.pool.load_state_dicts(states)
