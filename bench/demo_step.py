@@ -1,4 +1,4 @@
-"""One RL step of the CPU demo, today's path vs the default, per phase (issue 17).
+"""One RL step of the CPU demo, today's path vs the default, per phase.
 
 Arms at the demo shape (``conf/demo_cpu.yaml``: B=64 prompts x K=8, 2 updates per step), same seed, run in
 fresh processes and interleaved (round r runs the arms in order, round r+1 in reverse) so load on
@@ -49,7 +49,7 @@ SWITCHES: list[tuple[str, object]] = [
     ("trainer.fused_output_logprobs", False),
     ("model.core_attention", "megatron"),
     ("model.fused_norm_rope", False),
-    ("trainer.micro_batch_max_tokens", 8192),  # the demo preset's budget before issue 17 (now 2048)
+    ("trainer.micro_batch_max_tokens", 8192),  # the demo preset's budget before the fast step (now 2048)
 ]
 COMMON = ["trainer.delayed_start_pass_rate=0", "trainer.val_every=0", "checkpoint.save_every=100000",
           "logging.progress_bar=false", "logging.tensorboard=false"]

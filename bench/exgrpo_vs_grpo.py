@@ -70,7 +70,7 @@ ABLATIONS: dict[str, list[str]] = {
 WEAK_START_OVERRIDES = ["trainer.sft_warm_start_steps=150", "trainer.delayed_start_pass_rate=0"]
 WEAK_START: dict[str, list[str]] = {f"weak_{arm}": [*ov, *WEAK_START_OVERRIDES] for arm, ov in
                                     (("exgrpo", []), ("grpo", ["algo.name=grpo"]))}
-# Beyond the paper (issue 15, item 6): ExGRPO with its fresh tokens clipped in the mixed phase as the GRPO arm's are
+# Beyond the paper: ExGRPO with its fresh tokens clipped in the mixed phase as the GRPO arm's are
 # throughout, at GRPO's best rate and the stability rate, where unclipped ExGRPO falls behind.
 DIAGNOSES: dict[str, list[str]] = {"exgrpo_mixed_clip": ["algo.mixed_phase_clip=true"]}
 PHASES = ("sweep", "final", "ablation", "weak_start", "stability", "diagnosis")

@@ -26,7 +26,7 @@ import numpy as np
 K, BATCH, N_EXP, TOKENS, TRAJ_PER_QUESTION = 8, 128, 64, 64, 2
 SIZES = [1_000, 10_000, 100_000, 200_000, 1_000_000]
 TIMED_STEPS, WARMUP_STEPS = 40, 5
-ORIGINAL_SECONDS_PER_STEP = {10_000: 0.36, 200_000: 195.0}  # the measurement of the LUFFY code
+ORIGINAL_SECONDS_PER_STEP = {10_000: 0.36, 200_000: 195.0}  # the original (LUFFY) code's pool, measured per step
 
 
 def rss_bytes() -> int:

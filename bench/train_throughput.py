@@ -12,7 +12,7 @@ Each framework is trained through its own training call:
 - `megatron_unfused`: the same with `model.fused_norm_rope=false` (torch's RMSNorm, megatron's RoPE): what the
   single-function RMSNorm and RoPE (model/fused_ops.py) are worth;
 - `megatron_dpa`: the same with megatron's local `DotProductAttention`, the explicit causal mask and the unfused
-  norm/RoPE (the path before issue 17);
+  norm/RoPE (the path before the fused ones);
 - `hf_sdpa` / `hf_eager`: `Qwen2ForCausalLM(input_ids).logits` then `F.cross_entropy` (what transformers'
   ForCausalLMLoss computes, without its label shift: labels are pre-shifted here), attention "sdpa" (the
   transformers default) or "eager" (matmul + softmax).

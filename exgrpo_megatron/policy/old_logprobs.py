@@ -3,7 +3,7 @@
 Fresh rows were sampled by the rollout engine from exactly these weights, and the engine returns the sampled
 tokens' log-probs (rollout/types.py contract: log_softmax(logits / T)). Where the engine computes them as the
 policy does, those ARE pi_old and a second forward pass buys nothing:
-  - the megatron engine (the policy's own modules and dtype; 1.5e-7 from a recompute in fp32, issue 17);
+  - the megatron engine (the policy's own modules and dtype; 1.5e-7 from a recompute in fp32);
   - vLLM in fp32 with top_p = 1 and top-k off (with top-p/top-k vLLM versions differ on renormalisation).
 vLLM in bf16 is not exact: there the trainer recomputes (algo.old_logprobs=auto picks it, config/old_logprobs.py).
 
