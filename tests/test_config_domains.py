@@ -13,7 +13,7 @@ from exgrpo_megatron.config import schema
 from exgrpo_megatron.config.domains import DOMAINS, ORDERINGS, Domain
 from exgrpo_megatron.train import main as train_main
 
-# the values that passed validation and the dry run before (issue 19), each with the reason expected
+# the values that passed validation and the dry run before the domain checks, each with the reason expected
 BAD_VALUES = [
     ("optim.lr=nan", "optim.lr: nan: must be a number, not NaN"),
     ("rollout.temperature=inf", "rollout.temperature: inf: must be finite"),

@@ -1,4 +1,4 @@
-"""The paper's ablation knobs (issue 15, item 3) as config values, each checked for the behaviour it names:
+"""The paper's ablation knobs as config values, each checked for the behaviour it names:
 question selection (Gaussian vs uniform buckets, mu, sigma), trajectory selection (lowest / highest entropy,
 random), policy shaping on/off, IS correction on/off, rho."""
 

@@ -1,4 +1,4 @@
-"""The fidelity preset's task (issue 15, item 1): harder arithmetic tiers, distinct disjoint train/val/test
+"""The fidelity preset's task: harder arithmetic tiers, distinct disjoint train/val/test
 splits, a finite training set, and the demo's historical splits unchanged."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The loss scale against the original ExGRPO code at the paper's layout (issue 15, item 5).
+"""The loss scale against the original ExGRPO code at the paper's layout.
 
 The original (verl fork, `mix_core_alg.compute_token_on_off_policy_loss` with loss_remove_token_mean=True,
 `mix_actor.update_policy`, FSDP gradient averaging) is re-implemented below in float64, from its formula:
@@ -134,7 +134,7 @@ def test_policy_gradient_term_matches_for_any_lengths_and_micro_batching(mixed):
 
 
 def test_old_normaliser_was_64x_smaller():
-    """The normaliser before issue 15 (sum / (T_max x all sequences), ref = 1) shrinks the pg gradient by the
+    """The old normaliser (sum / (T_max x all sequences), ref = 1) shrinks the pg gradient by the
     original's sequences per rank (64) at the paper's layout: the defect this scale fixes."""
     b = paper_batch(2, equal_lengths=True)
     g_ref = torch.autograd.grad(original_loss(b, True, 1), b["lp"])[0]
