@@ -156,7 +156,7 @@ def _policy_run(model_name: str, tp: int) -> dict:
         module.output_layer.register_forward_hook(lambda *_: output_layer_calls.append(1))
     for fused in (False, True):
         output_layer_calls.clear()
-        policy.cfg = replace(cfg, trainer=replace(cfg.trainer, fused_output_logprobs=fused))
+        policy.fused_output_logprobs = fused
         policy.eval()
         logp, ent, _ = token_stats(policy, seqs, prompts, temperature=0.7, with_entropy=True, max_tokens=40)
         old = [lp + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(i)) for i, lp in

@@ -56,7 +56,9 @@ class Policy:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        self.cfg = cfg
+        self.model_cfg = cfg.model  # what a loaded checkpoint's weights are checked against
+        self.sequence_packing = cfg.trainer.sequence_packing
+        self.fused_output_logprobs = cfg.trainer.fused_output_logprobs
         vpp = cfg.parallel.virtual_pipeline_model_parallel_size
         stages = [None] if vpp is None else list(range(vpp))
         self.modules = [build_gpt_model(cfg.model, cfg.parallel, vp_stage=s) for s in stages]
@@ -112,7 +114,7 @@ class Policy:
         """Weights only (`checkpoint.init_from`, the SFT warm start); the optimizer's master copy follows."""
         from exgrpo_megatron.checkpoint import load_model_weights
 
-        load_model_weights(path, self.modules, model_config=self.cfg.model)
+        load_model_weights(path, self.modules, model_config=self.model_cfg)
         self.optimizer.reload_model_params()
         self.mark_weights_changed()
 
@@ -121,7 +123,7 @@ class Policy:
         RNG), loaded; returns its LoadedCheckpoint, or None when there is none to resume from."""
         from exgrpo_megatron.checkpoint import load_newest_verified
 
-        loaded = load_newest_verified(run_dir, resume, model_chunks=self.modules, model_config=self.cfg.model,
+        loaded = load_newest_verified(run_dir, resume, model_chunks=self.modules, model_config=self.model_cfg,
                                       optimizer=self.optimizer, opt_param_scheduler=self.scheduler)
         if loaded is not None:
             self.mark_weights_changed()
@@ -132,7 +134,7 @@ class Policy:
                       data_iterator: Iterator[MicroBatch], model: Any
                       ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[Any, ...]]]:
         mb: MicroBatch = next(data_iterator)
-        with stop_before_output_layer(model, self.cfg.trainer.fused_output_logprobs) as output_weight:
+        with stop_before_output_layer(model, self.fused_output_logprobs) as output_weight:
             output = model(**forward_inputs(mb, causal_mask=self.use_mask))
 
         def loss_func(model_output: torch.Tensor) -> tuple[Any, ...]:

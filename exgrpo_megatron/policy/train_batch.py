@@ -96,8 +96,8 @@ def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list
     else:
         lengths = [len(s) for s in sequences]
         mbs = make_micro_batches(sequences, prompt_lengths, list(range(len(sequences))), max_tokens,
-                                 policy.cfg.trainer.sequence_packing)
-        stats_fn = token_stats_fn(temperature, with_entropy, policy.cfg.model.vocab_size, logprob_temperature)
+                                 policy.sequence_packing)
+        stats_fn = token_stats_fn(temperature, with_entropy, policy.model_cfg.vocab_size, logprob_temperature)
         out = policy.forward_backward(mbs, stats_fn, forward_only=True)
         got = {k: scatter_rows([o[k] for o in out], mbs, lengths, prompt_lengths) for k in keys}
     return TokenStats(got["logprobs"], got.get("entropy"), got.get("logprobs_at"))
