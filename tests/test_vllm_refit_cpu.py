@@ -124,3 +124,43 @@ def test_vllm_finish_reason_mapping_and_lazy_import():
     assert finish_reason_from_vllm("stop", None) == "eos"
     assert finish_reason_from_vllm("stop", 7) == "stop"
     assert finish_reason_from_vllm("stop", "</answer>") == "stop"
+
+
+class _RecordingLLM:
+    """Stands in for vLLM's `LLM` where the CPU build cannot run the call under test (sleep mode is CUDA-only):
+    records the calls the engine's sleep/wake/refit bookkeeping makes."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.calls.append("wake")
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> None:
+        list(kwargs["weights_iterator"])
+        self.calls.append(method)
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+def test_sleep_level_2_refits_on_the_next_generation_even_when_the_weights_did_not_change(monkeypatch):
+    """Level 2 discards vLLM's weights: waking must not generate from them unrefitted (e.g. validation before any
+    update, or a step whose updates were all skipped); level 1 keeps them, so no refit without a change."""
+    from exgrpo_megatron.rollout import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "iter_hf_weight_buckets", lambda *a: iter(()))
+    for level, refits in ((1, []), (2, ["reload_weights"])):
+        engine = vllm_engine.VLLMRolloutEngine.__new__(vllm_engine.VLLMRolloutEngine)
+        engine.llm, engine.can_sleep, engine.sleep_level, engine._asleep = _RecordingLLM(), True, level, False
+        engine.model_chunks, engine.model_cfg, engine.bucket_bytes = [], None, 1
+        engine.weights_version, engine.refit_seconds_total = (lambda: 3), 0.0
+        engine.update_weights()  # the refit at construction
+        engine.llm.calls.clear()
+        engine.sleep()
+        engine.wake()
+        engine.refit_if_stale()  # what generate() does first
+        assert engine.llm.calls == [f"sleep{level}", "wake", *refits]

@@ -154,6 +154,8 @@ class VLLMRolloutEngine:
         if self.can_sleep and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = True
+            if self.sleep_level >= 2:  # level 2 discards the weights: the next generation refits, changed or not
+                self._refitted_version = None
 
     def wake(self) -> None:
         if self._asleep:
