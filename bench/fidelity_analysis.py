@@ -199,6 +199,8 @@ def analyse(root: str, arms: dict, ablations: dict, best: dict, seeds: list[int]
             if runs_by_seed:
                 result["ablations"][name] = {**summarize(list(runs_by_seed.values()), threshold),
                                              "minus_full": paired_difference(runs_by_seed, by_seed["exgrpo"])}
+                if "grpo" in by_seed:  # on-policy GRPO at its own rate, the same seeds' warm starts
+                    result["ablations"][name]["minus_grpo"] = paired_difference(runs_by_seed, by_seed["grpo"])
     for name in diagnoses or {}:
         for lr in (best["grpo"]["lr"] if best.get("grpo") else None, high):
             runs_by_seed = _runs_by_seed(root, name, lr, ablation_seeds) if lr else {}
@@ -338,13 +340,14 @@ def markdown_tables(summary: dict) -> str:
         cells = " | ".join(_md(row[k], signed=True) for k in keys)
         lines.append(f"| **{name}** (paired) | {len(row['seeds'])} | {cells} |")
     if summary.get("ablations"):
-        lines += ["", "| variant | seeds | greedy | minus full ExGRPO (paired) | avg@8 T=1.0 | minus full (paired) "
-                  "| paper ID avg (minus full) |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "| variant | seeds | greedy | minus full ExGRPO (paired) | minus GRPO (paired) | avg@8 T=1.0 "
+                  "| minus full (paired) | paper ID avg (minus full) |", "|---|---|---|---|---|---|---|---|"]
         for name, row in summary["ablations"].items():
             d, paper = row["minus_full"], PAPER_ID_AVG.get(name)
             ref = f"{paper:.1f} ({paper - PAPER_ID_AVG['exgrpo']:+.1f})" if paper is not None else "n/a"
+            vs_grpo = _md(row["minus_grpo"]["greedy"], signed=True) if "minus_grpo" in row else "n/a"
             lines.append(f"| {name} | {row['greedy']['n']} | {_md(row['greedy'])} | {_md(d['greedy'], signed=True)} "
-                         f"| {_md(row['avg@8_T1'])} | {_md(d['avg@8_T1'], signed=True)} | {ref} |")
+                         f"| {vs_grpo} | {_md(row['avg@8_T1'])} | {_md(d['avg@8_T1'], signed=True)} | {ref} |")
     if summary.get("diagnosis"):
         lines += ["", "| diagnosis (lr) | seeds | greedy | minus ExGRPO, same lr (paired) "
                   "| minus GRPO, same lr (paired) | avg@8 T=1.0 |", "|---|---|---|---|---|---|"]
