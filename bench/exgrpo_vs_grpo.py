@@ -161,7 +161,8 @@ def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> lis
             for name in DIAGNOSES:
                 for lr in (best_lr["grpo"], max(args.lrs) * args.stability_lr_factor):
                     add(phase, name, lr, args.ablation_seeds)
-    return sorted(runs.values(), key=lambda r: (PHASES.index(r.phase), r.seed, r.lr, r.variant))
+    chosen = [r for r in runs.values() if not args.variants or r.variant in args.variants]
+    return sorted(chosen, key=lambda r: (PHASES.index(r.phase), r.seed, r.lr, r.variant))
 
 
 def train_argv(args: argparse.Namespace, run: Run) -> list[str]:
@@ -287,6 +288,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ablation-seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--stability-lr-factor", type=float, default=3.0,
                    help="x the largest swept rate (demo_cpu: 2e-4 and 3e-4 blew the entropy up)")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="only these arms/ablations/diagnoses of the phases (e.g. rho_0.25 rho_0.75); default all")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (each one process)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     p.add_argument("--override", nargs="*", default=[], help="extra overrides for every run")

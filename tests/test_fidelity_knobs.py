@@ -202,6 +202,9 @@ def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     high_lr_diagnosis = [r for r in by_phase["diagnosis"] if r.lr != best["grpo"]]  # needs no learning-rate choice
     assert bench.plan_runs(args, {"exgrpo": None, "grpo": None}) == (by_phase["sweep"] + by_phase["stability"]
                                                                       + high_lr_diagnosis)
+    args.variants = ["rho_0.25", "rho_0.75"]  # --variants: only those runs of the phases
+    assert bench.plan_runs(args, best) == [r for r in by_phase["ablation"] if r.variant.startswith("rho_")]
+    assert len(bench.plan_runs(args, best)) == 2 * len(args.ablation_seeds)
 
 
 def test_weak_start_runs_use_each_arms_rate_and_their_own_warm_start(tmp_path):
