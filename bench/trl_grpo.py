@@ -2,14 +2,15 @@
 task (the shipped word problems, the tokenizer's chat template over the question alone, as `chat_direct`), reward
 (our Math-Verify grader, whole response graded) and shape (8 prompts x 4 completions, 64 new tokens, T=0.6, lr 2e-6,
 one update per step), TRL in fp32 and with bf16 autocast (its best CPU precision), ours in fp32 and bf16
-(`model.params_dtype`), arms interleaved seed by seed so a load change on the shared box hits both frameworks.
+(`model.params_dtype`), one arm after another in ARMS' order, alternating the frameworks.
 
     make venv-trl smollm2 && .venv-trl/bin/python bench/trl_grpo.py [--steps 5] [--arms trl_fp32 ours_fp32 ...]
 
 Ours: `exgrpo_megatron.train --config-name smollm2_word_problems` (the preset users run: ExGRPO, one update per step;
 replay starts once the batch pass rate reaches 10%, so a short run is mostly on-policy) under `--ours-python` (the
 project's .venv), from the converted checkpoint bench/real_model_e2e.py builds; its `time/step` and `reward/mean`
-per step. Both frameworks train with all the machine's cores.
+per step. Both frameworks train with all the machine's cores; ours generates on one thread (the runner's
+OMP_NUM_THREADS=1, as bench/real_model_e2e.py runs it), TRL on all of them, so the ratios favour TRL's generation.
 
 CPU settings: use_cpu=True, gradient_checkpointing=False; loss_type="dr_grpo", scale_rewards="none" and beta=0
 (no reference model) as our objective; GRPOTrainer counts completions in per_device_train_batch_size (32 =

@@ -172,4 +172,3 @@ def step_summary(reduced: Totals, updates: tuple[UpdateMetrics, ...],
         "lr": updates[-1].result.lr if updates else 0.0,
         "optim/skipped_updates": float(sum(u.result.skipped for u in updates)),
     }
-
