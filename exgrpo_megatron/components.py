@@ -9,6 +9,7 @@ from typing import Any
 
 from exgrpo_megatron.algo.protocol import ExperienceKnobs, RLAlgorithm
 from exgrpo_megatron.algo.registry import build_algorithm
+from exgrpo_megatron.config.derived import updates_per_step
 from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
@@ -20,7 +21,7 @@ from exgrpo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from exgrpo_megatron.distributed.runtime import ParallelLayout
 from exgrpo_megatron.experience.schedule import ExperienceSchedule
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
-from exgrpo_megatron.policy.policy import Policy, updates_per_step
+from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.reward.grader import GraderPool
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
 from exgrpo_megatron.rollout_service import RolloutService
@@ -69,7 +70,7 @@ class Components:
     policy: Policy
     rollout: RolloutService  # this rank's engine + grader: generation and grading
     settings: StepSettings
-    old_logprobs: str = "recompute"  # algo.old_logprobs resolved: recompute | rollout (policy/old_logprobs.py)
+    old_logprobs: str = "recompute"  # algo.old_logprobs resolved: rollout | training_forward | recompute
     dp_group: Any = None  # the data-parallel gloo group (CPU collectives), None with one DP rank
 
     def close(self) -> None:

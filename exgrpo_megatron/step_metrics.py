@@ -23,6 +23,8 @@ from exgrpo_megatron.policy.train_batch import RolloutRows, TrainBatch
 def rollout_mismatch(batch: TrainBatch) -> tuple[float, float]:
     """(sum, count) of exp(|logp_behaviour - logp_trainer|) over fresh response tokens, pi_old recomputed by the
     trainer: 1.0 when the rollout engine and the trainer agree (`algo.loss.token_mult_prob_error`)."""
+    if batch.old_logprobs is None:
+        raise ValueError("rollout_mismatch: pi_old was not recomputed (the first update's forward measures it)")
     total, count = 0.0, 0.0
     for behaviour, old, rep in zip(batch.behaviour_logprobs, batch.old_logprobs, batch.is_replay, strict=True):
         if rep or behaviour.numel() == 0:

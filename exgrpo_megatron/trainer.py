@@ -186,7 +186,8 @@ def refill_dropped_groups(c: Components, first: StepRollouts, step: int) -> Step
 
 def with_old_logprobs(c: Components, rows: RolloutRows, mine: list[QuestionGroup]) -> tuple[TrainBatch, int]:
     """The training batch: `rows` with the pi_old of every row (algo.old_logprobs: recomputed, or the rollout's exact
-    ones + the selection pass's for replays), and the number of rows that needed a forward pass here."""
+    ones + the selection pass's for replays, or None: the update's own forward), and the number of rows that needed a
+    forward pass here."""
     pi_old, forward_rows = old_logprobs(
         c.policy, rows, replay_current_logprobs(mine, rows), c.old_logprobs,
         temperature=c.settings.sampling.temperature, max_tokens=c.settings.micro_batch_max_tokens)
@@ -194,9 +195,9 @@ def with_old_logprobs(c: Components, rows: RolloutRows, mine: list[QuestionGroup
 
 
 def recomputed_mismatch(c: Components, batch: TrainBatch) -> tuple[float, float]:
-    """(sum, count) of the engine-vs-trainer mismatch against a recomputed pi_old; (0, 0) when pi_old came from
-    the rollout (then the first update's forward measures it, `update_policy`)."""
-    return rollout_mismatch(batch) if c.old_logprobs != "rollout" else (0.0, 0.0)
+    """(sum, count) of the engine-vs-trainer mismatch against a recomputed pi_old; (0, 0) otherwise (then the first
+    update's forward measures it, `update_policy`)."""
+    return rollout_mismatch(batch) if c.old_logprobs == "recompute" else (0.0, 0.0)
 
 
 def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase) -> list[UpdateMetrics]:
@@ -209,7 +210,7 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase)
         rows = batch.rows_of_groups(set(chunk.tolist()))
         counts = global_loss_counts([batch.response_lengths[i] for i in rows], c.dp_group)
         mbs = micro_batches_for_update(batch, rows, s.micro_batch_max_tokens, packed=s.sequence_packing,
-                                       measure_mismatch=c.old_logprobs == "rollout" and u == 0)
+                                       measure_mismatch=c.old_logprobs != "recompute" and u == 0)
         loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=c.algorithm.normalisers(*counts),
                              temperature=s.sampling.temperature, vocab_size=s.vocab_size)
         c.policy.zero_grad()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs
+from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs, resolve_old_logprobs_for, rollout_logprobs_exact
 from exgrpo_megatron.config.validate import config_errors
 from exgrpo_megatron.experience.selection import choose_trajectories
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
@@ -15,29 +15,54 @@ from exgrpo_megatron.experience.types import CandidateScores, GroupOutcome, as_t
 from tests.helpers.multirank import run_on_ranks
 
 
-@pytest.mark.parametrize(("mode", "engine", "dtype", "top_p", "top_k", "expected"), [
-    ("auto", "megatron", "float32", 1.0, -1, "rollout"),     # the policy's own modules and dtype
-    ("auto", "megatron", "float32", 0.9, 20, "rollout"),     # its log-probs are the full softmax at T regardless
-    ("auto", "megatron", "bfloat16", 1.0, -1, "recompute"),  # bf16 KV-cache decode vs the packed forward: not exact
-    ("auto", "vllm", "bfloat16", 1.0, -1, "recompute"),      # bf16 vLLM vs the fp32 policy: not exact
-    ("auto", "vllm", "float32", 1.0, -1, "rollout"),
-    ("auto", "vllm", "float32", 0.9, -1, "recompute"),       # top-p renormalisation differs across vLLM versions
-    ("auto", "vllm", "float32", 1.0, 50, "recompute"),
-    ("recompute", "megatron", "float32", 1.0, -1, "recompute"),
-    ("rollout", "megatron", "float32", 1.0, -1, "rollout"),
+@pytest.mark.parametrize(("engine", "dtype", "top_p", "top_k", "exact"), [
+    ("megatron", "float32", 1.0, -1, True),     # the policy's own modules and dtype
+    ("megatron", "float32", 0.9, 20, True),     # its log-probs are the full softmax at T regardless
+    ("megatron", "bfloat16", 1.0, -1, False),   # bf16 KV-cache decode vs the packed forward
+    ("vllm", "bfloat16", 1.0, -1, False),       # bf16 vLLM vs the trainer's forward
+    ("vllm", "float32", 1.0, -1, True),
+    ("vllm", "float32", 0.9, -1, False),        # top-p renormalisation differs across vLLM versions
+    ("vllm", "float32", 1.0, 50, False),
 ])
-def test_resolution(mode, engine, dtype, top_p, top_k, expected):
-    assert resolve_old_logprobs(mode, engine, dtype, top_p, top_k) == expected
+def test_which_generation_logprobs_are_exact(engine, dtype, top_p, top_k, exact):
+    assert rollout_logprobs_exact(engine, dtype, top_p, top_k) is exact
 
 
-def test_inexact_rollout_and_unknown_modes_fail_at_start_up_naming_the_key():
+@pytest.mark.parametrize(("mode", "exact", "updates", "expected"), [
+    ("auto", True, 1, "rollout"),
+    ("auto", True, 2, "rollout"),
+    ("auto", False, 1, "training_forward"),  # the one update's own forward runs on pi_old's weights
+    ("auto", False, 2, "recompute"),         # the second update's would not
+    ("recompute", True, 1, "recompute"),
+    ("rollout", True, 2, "rollout"),
+    ("training_forward", True, 1, "training_forward"),
+])
+def test_resolution(mode, exact, updates, expected):
+    assert resolve_old_logprobs(mode, exact, updates) == expected
+
+
+def test_sources_a_run_cannot_honour_fail_at_start_up_naming_the_key():
     assert config_errors(load_config("demo_cpu", []), 1) == []
     bf16_vllm = ["rollout.engine=vllm", "rollout.vllm.dtype=bf16", "model.hf_path=/x"]
     bf16_megatron = ["model.params_dtype=bf16"]
+    two_updates = ["trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=4"]
     for overrides in (["algo.old_logprobs=rollout", *bf16_vllm], ["algo.old_logprobs=rollout", *bf16_megatron],
-                      ["algo.old_logprobs=cached"]):
+                      ["algo.old_logprobs=training_forward", *two_updates], ["algo.old_logprobs=cached"]):
         errors = config_errors(load_config("demo_cpu", overrides), 1)
         assert len(errors) == 1 and errors[0].startswith("algo.old_logprobs"), errors
+
+
+def test_the_resolved_source_follows_precision_engine_and_updates_per_step():
+    def source(*overrides: str) -> str:
+        return resolve_old_logprobs_for(load_config("demo_cpu", ["model.params_dtype=fp32", *overrides]))
+
+    one = ["trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=8"]
+    two = ["trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=4"]
+    assert source(*one) == "rollout" and source(*two) == "rollout"
+    assert source("model.params_dtype=bf16", *one) == "training_forward"
+    assert source("model.params_dtype=bf16", *two) == "recompute"
+    ahead = ["rollout.max_staleness=1", "algo.fresh_is_cap=2"]
+    assert source(*ahead, *one) == "training_forward" and source(*ahead, *two) == "recompute"
 
 
 def _traj(tokens: list[int], step: int = 0):

@@ -381,6 +381,9 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
             result = original(policy, batch, replay_current, source, **kw)
             out = result[0]
             now["recomputed"], _ = original(policy, batch, replay_current, "recompute", **kw)
+            if out is None:  # training_forward: the update's own forward is pi_old
+                rec["steps"].append({"source": source, "replay_rows": sum(batch.is_replay)})
+                return result
 
             def diff(rows):
                 return max((float((out[i] - now["recomputed"][i]).abs().max()) for i in rows), default=0.0)
@@ -476,3 +479,24 @@ def test_old_logprobs_from_the_rollout_give_the_recompute_loss_and_gradients(tmp
         assert m["mismatch/token_mult_prob_error"] >= 1.0  # measured: 0 would mean no token was counted
     assert got["threads_train"] == {got["cores"]}
     assert got["threads_generate"] == {1} and got["threads_after"] == 1
+
+
+def test_old_logprobs_from_the_training_forward_give_the_recompute_loss_and_gradients(tmp_path, sft_dir):
+    """algo.old_logprobs=training_forward (one update per step): no pi_old pass at all, and the one update -- replayed
+    rows included -- has the loss and gradients of the recomputed pi_old; its fresh-token ratio is exactly 1
+    (approx_kl 0: not the engine's log-probs, not a stale copy), and the engine-vs-trainer mismatch is still measured
+    on the update's forward."""
+    got = run_on_ranks(_train_comparing_old_logprobs, 1, args=(_replay_overrides(
+        str(tmp_path / "oldlp"), sft_dir, ("rollout.temperature=0.8", f"trainer.ppo_mini_batch_size={BATCH}",
+                                            "algo.old_logprobs=training_forward")),))[0]
+    assert got["resolved"] == "training_forward"
+    assert len(got["steps"]) == STEPS and all(s["source"] == "training_forward" for s in got["steps"])
+    assert len(got["updates"]) == STEPS and sum(u["replay_rows"] for u in got["updates"]) > 0
+    for u in got["updates"]:
+        assert u["pg_on"] == pytest.approx(u["pg_off"], rel=1e-4, abs=1e-7), u
+        assert u["grad_diff"] <= 1e-4 * u["grad_scale"] + 1e-9, u
+    for m in got["metrics"]:
+        assert m["old_logprobs/forward_rows"] == 0.0
+        assert m["loss/approx_kl"] == 0.0 and m["loss/clip_fraction"] == 0.0
+        assert 1.0 <= m["mismatch/token_mult_prob_error"] <= 1.0 + 1e-4
+

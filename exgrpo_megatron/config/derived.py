@@ -12,7 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from exgrpo_megatron.config.cpu_precision import cpu_auto_is_bf16, this_cpu_bf16_unit
-from exgrpo_megatron.config.schema import ModelConfig
+from exgrpo_megatron.config.schema import ModelConfig, TrainerConfig
 
 if TYPE_CHECKING:
     import torch
@@ -51,3 +51,8 @@ def vllm_dtype(setting: str, policy_dtype: torch.dtype) -> str:
     if setting != "auto":
         return VLLM_DTYPES[setting]
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[policy_dtype]
+
+
+def updates_per_step(t: TrainerConfig) -> int:
+    """Optimizer updates per RL step: train_batch_size / ppo_mini_batch_size (the paper: 2)."""
+    return max(1, t.train_batch_size // t.ppo_mini_batch_size)

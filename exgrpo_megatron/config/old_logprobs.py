@@ -1,15 +1,23 @@
 """Which pi_old source a run uses (`algo.old_logprobs`), decided from the config alone.
 
-The generation log-probs are pi_old exactly where the engine computes them as the policy does: the megatron
-engine in fp32 (in bf16 its KV-cache decode rounds differently from the trainer's packed forward: the ratio
-measured 1.03 on SmolLM2 on CPU, docs/precision.md); vLLM in fp32 with top_p = 1 and top-k off. auto picks
-`rollout` there and `recompute` elsewhere; an explicit `rollout` where they are not exact is refused at
-start-up (validate.py) and the trainer passes the resolved source to policy/old_logprobs.py.
+- `rollout`: the generation log-probs. They are pi_old exactly where the engine computes them as the policy does:
+  the megatron engine in fp32 (in bf16 its KV-cache decode rounds differently from the trainer's packed forward:
+  the ratio measured 1.03 on SmolLM2 on CPU, docs/precision.md) and vLLM in fp32 with top_p = 1 and top-k off,
+  and only when generation is not ahead of training (`rollout.max_staleness` = 0).
+- `training_forward`: with one optimizer update per step (`trainer.ppo_mini_batch_size` = `train_batch_size`) that
+  update's forward runs on the weights the step starts from, so its own log-probs, detached, ARE the trainer's
+  pi_old: no extra pass, the fresh-token ratio is exactly 1 and only its gradient acts. Later updates of a step
+  run on changed weights, so with several updates per step it is refused.
+- `recompute`: a forward pass of every row before the updates (any number of updates per step).
+
+auto = rollout where exact, else training_forward with one update per step, else recompute. An explicit source the
+run cannot honour is refused at start-up (validate.py); the trainer passes the resolved source to
+policy/old_logprobs.py.
 """
 
 from __future__ import annotations
 
-from exgrpo_megatron.config.derived import resolve_params_dtype, vllm_dtype
+from exgrpo_megatron.config.derived import resolve_params_dtype, updates_per_step, vllm_dtype
 from exgrpo_megatron.config.schema import CHOICES, RootConfig
 
 
@@ -22,30 +30,34 @@ def rollout_logprobs_exact(engine: str, engine_dtype: str, top_p: float, top_k: 
     return engine == "vllm" and engine_dtype == "float32" and top_p == 1.0 and top_k <= 0
 
 
-def resolve_old_logprobs(mode: str, engine: str, engine_dtype: str, top_p: float, top_k: int) -> str:
-    """algo.old_logprobs -> 'recompute' | 'rollout'; auto = rollout exactly where the rollout log-probs are exact.
-    An explicit 'rollout' where they are not is refused (config validation names the key)."""
+def resolve_old_logprobs(mode: str, rollout_exact: bool, updates: int, why_inexact: str = "") -> str:
+    """algo.old_logprobs -> 'rollout' | 'training_forward' | 'recompute' (module docstring). `rollout_exact`: the
+    generation log-probs are pi_old (`rollout_logprobs_exact`, and not generated ahead); `updates`: optimizer
+    updates per step. A source the run cannot honour raises ValueError naming the key."""
     modes = CHOICES["algo.old_logprobs"]
     if mode not in modes:
         raise ValueError(f"algo.old_logprobs: expected one of {modes}, got {mode!r}")
-    exact = rollout_logprobs_exact(engine, engine_dtype, top_p, top_k)
     if mode == "auto":
-        return "rollout" if exact else "recompute"
-    if mode == "rollout" and not exact:
-        raise ValueError(f"algo.old_logprobs: 'rollout' needs exact generation log-probs; the {engine} engine "
-                         f"({engine_dtype}, top_p={top_p}, top_k={top_k}) does not give them; use auto or recompute")
+        return "rollout" if rollout_exact else "training_forward" if updates == 1 else "recompute"
+    if mode == "rollout" and not rollout_exact:
+        raise ValueError(f"algo.old_logprobs: 'rollout' needs exact generation log-probs; {why_inexact} does not give "
+                         "them; use auto, training_forward or recompute")
+    if mode == "training_forward" and updates != 1:
+        raise ValueError(f"algo.old_logprobs: 'training_forward' needs one optimizer update per step; {updates} "
+                         "updates (trainer.train_batch_size / ppo_mini_batch_size) run the later ones on changed "
+                         "weights; use auto or recompute")
     return mode
 
 
 def resolve_old_logprobs_for(cfg: RootConfig) -> str:
     """`resolve_old_logprobs` for a run's config: the megatron engine's dtype is the policy's, the vLLM engine's is
-    `rollout.vllm.dtype` as the engine factory resolves it (auto = the policy's parameter dtype)."""
-    r = cfg.rollout
-    if r.max_staleness > 0:  # the engine's log-probs are those of weights up to max_staleness updates old
-        if cfg.algo.old_logprobs == "rollout":
-            raise ValueError(f"algo.old_logprobs: 'rollout' with rollout.max_staleness={r.max_staleness}: the "
-                             "generation log-probs are older weights'; pi_old must be recomputed (auto or recompute)")
-        return "recompute" if cfg.algo.old_logprobs in ("auto", "recompute") else cfg.algo.old_logprobs
-    policy_dtype = resolve_params_dtype(cfg.model)
-    dtype = vllm_dtype(r.vllm.dtype if r.engine == "vllm" else "auto", policy_dtype)
-    return resolve_old_logprobs(cfg.algo.old_logprobs, r.engine, dtype, r.top_p, r.top_k)
+    `rollout.vllm.dtype` as the engine factory resolves it (auto = the policy's parameter dtype); generated ahead
+    (`rollout.max_staleness` > 0), the generation log-probs are older weights' and never pi_old."""
+    r, updates = cfg.rollout, updates_per_step(cfg.trainer)
+    if r.max_staleness > 0:
+        why = f"rollout.max_staleness={r.max_staleness} (the engine's weights are older)"
+        return resolve_old_logprobs(cfg.algo.old_logprobs, False, updates, why)
+    dtype = vllm_dtype(r.vllm.dtype if r.engine == "vllm" else "auto", resolve_params_dtype(cfg.model))
+    why = f"the {r.engine} engine ({dtype}, top_p={r.top_p}, top_k={r.top_k})"
+    return resolve_old_logprobs(cfg.algo.old_logprobs, rollout_logprobs_exact(r.engine, dtype, r.top_p, r.top_k),
+                                updates, why)

@@ -106,7 +106,7 @@ class AlgoConfig:
     entropy_coeff: float = 0.001
     loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean
     replay_is_correction: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs (was exp_is_correct)
-    old_logprobs: str = "auto"  # auto | recompute | rollout (pi_old source, policy/old_logprobs.py)
+    old_logprobs: str = "auto"  # auto | rollout | training_forward | recompute (config/old_logprobs.py)
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20
     loss_seqs_per_rank_ref: float = 64.0  # token_sum_constant: the original's sequences per rank (64x8 seqs / 8 GPUs)
@@ -214,7 +214,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.engine": ("megatron", "vllm"),
     "rollout.vllm.dtype": ("auto", "fp32", "bf16", "fp16"),
     "algo.loss_agg_mode": ("token_sum_constant", "token_mean"),
-    "algo.old_logprobs": ("auto", "recompute", "rollout"),
+    "algo.old_logprobs": ("auto", "rollout", "training_forward", "recompute"),
     "trainer.exp_metric": ("ent", "ppl", "random"),
     "trainer.exp_bucket_manager": ("normal", "uniform", "linear", "sqrt"),
     "trainer.exp_select_mode": ("argmin", "argmax"),

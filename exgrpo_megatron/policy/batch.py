@@ -26,16 +26,17 @@ class LossInputs:
     response targets): pi_old, the behaviour log-probs (of the policy that generated the response: the engine's;
     on a replayed row the recorded pi_past), the sequence's advantage broadcast over its tokens and the replay flag
     (1.0 on replayed rows). `measure_mismatch`: the weights are still pi_old's, so the loss also measures the
-    engine-vs-trainer mismatch on fresh tokens (the first update of a step whose pi_old came from the rollout)."""
+    engine-vs-trainer mismatch on fresh tokens (the first update of a step whose pi_old was not recomputed)."""
 
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None  # None: pi_old is the loss's own forward, detached (one update per step)
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
     replay: torch.Tensor
     measure_mismatch: bool = False
 
     def to(self, device: torch.device) -> LossInputs:
-        return LossInputs(self.old_logprobs.to(device), self.behaviour_logprobs.to(device),
+        old = None if self.old_logprobs is None else self.old_logprobs.to(device)
+        return LossInputs(old, self.behaviour_logprobs.to(device),
                           self.advantages.to(device), self.replay.to(device), self.measure_mismatch)
 
 

@@ -50,7 +50,8 @@ def rl_loss_fn(algorithm: RLAlgorithm, *, phase: Phase, normalisers: tuple[float
             raise ValueError("rl_loss_fn: the micro-batch has no loss inputs (micro_batches_for_update sets them)")
         logp, ent = output.logprobs_entropy(mb, vocab_size=vocab_size, temperature=temperature,
                                             with_entropy=True, entropy_grad=algorithm.entropy_coeff > 0)
-        loss, metrics = algorithm.loss(logp, ent, mb.loss_mask, old_logprobs=x.old_logprobs,
+        old = logp.detach() if x.old_logprobs is None else x.old_logprobs  # None: weights still pi_old's
+        loss, metrics = algorithm.loss(logp, ent, mb.loss_mask, old_logprobs=old,
                                        behaviour_logprobs=x.behaviour_logprobs, advantages=x.advantages,
                                        replay=x.replay, phase=phase, normalisers=normalisers)
         if x.measure_mismatch:  # weights still pi_old's: exp(|logp_behaviour - logp|) over fresh tokens

@@ -5,7 +5,9 @@ tokens' log-probs (rollout/types.py contract: log_softmax(logits / T)). Where th
 policy does, those ARE pi_old and a second forward pass buys nothing:
   - the megatron engine (the policy's own modules and dtype; 1.5e-7 from a recompute in fp32);
   - vLLM in fp32 with top_p = 1 and top-k off (with top-p/top-k vLLM versions differ on renormalisation).
-vLLM in bf16 is not exact: there the trainer recomputes (algo.old_logprobs=auto picks it, config/old_logprobs.py).
+vLLM in bf16 is not exact: there pi_old is the trainer's, from the update's own forward (`training_forward`, one
+update per step: this module then returns None and the loss detaches its log-probs) or from a forward pass of
+every row here (`recompute`); config/old_logprobs.py decides which.
 
 Replayed rows were sampled long ago (their recorded log-probs are pi_behaviour, the replay ratio's denominator,
 docs/exgrpo.md), so their pi_old still needs the current weights. The trajectory-selection pass
@@ -34,19 +36,22 @@ def replay_current_logprobs(groups: Sequence[QuestionGroup], batch: RolloutRows)
 
 
 def old_logprobs(policy: Policy, batch: RolloutRows, replay_current: list[np.ndarray | None], source: str, *,
-                 temperature: float, max_tokens: int) -> tuple[list[torch.Tensor], int]:
+                 temperature: float, max_tokens: int) -> tuple[list[torch.Tensor] | None, int]:
     """(pi_old per row, number of rows that needed a forward pass here).
 
     recompute: one forward of every row. rollout: fresh rows take the behaviour (engine's) log-probs, replayed rows the
-    selection pass's (`replay_current`), and only replayed rows without them are run forward.
+    selection pass's (`replay_current`), and only replayed rows without them are run forward. training_forward: None
+    (the step's one update takes its own forward's log-probs, detached), no pass here.
     """
     n = len(batch.sequences)
+    if source == "training_forward":
+        return None, 0
     if source == "recompute":
         forward = list(range(n))
     elif source == "rollout":
         forward = [i for i in range(n) if batch.is_replay[i] and replay_current[i] is None]
     else:
-        raise ValueError(f"old log-prob source must be 'recompute' or 'rollout', got {source!r}")
+        raise ValueError(f"old log-prob source must be 'rollout', 'training_forward' or 'recompute', got {source!r}")
     computed = token_stats(policy, [batch.sequences[i] for i in forward], [batch.prompt_lengths[i] for i in forward],
                            temperature=temperature, with_entropy=False, max_tokens=max_tokens).logprobs
     old: list[torch.Tensor | None] = [None] * n

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.config.schema import RootConfig, TrainerConfig
+from exgrpo_megatron.config.derived import updates_per_step
+from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.threads import torch_threads, train_threads_from_env
 from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
 from exgrpo_megatron.model.layout_init import initialise
@@ -216,7 +217,3 @@ class Policy:
         for c in self.chunks:
             c.eval()
 
-
-def updates_per_step(t: TrainerConfig) -> int:
-    """Optimizer updates per RL step: train_batch_size / ppo_mini_batch_size (the paper: 2)."""
-    return max(1, t.train_batch_size // t.ppo_mini_batch_size)

@@ -49,14 +49,14 @@ class RolloutRows:
 class TrainBatch(RolloutRows):
     """The rollout rows with their pi_old: everything the step's updates read."""
 
-    old_logprobs: list[torch.Tensor]  # pi_old per response token
+    old_logprobs: list[torch.Tensor] | None  # pi_old per response token; None: the update's own forward, detached
 
     def __post_init__(self) -> None:
-        if len(self.old_logprobs) != len(self.sequences):
+        if self.old_logprobs is not None and len(self.old_logprobs) != len(self.sequences):
             raise ValueError(f"pi_old of {len(self.old_logprobs)} rows for a batch of {len(self.sequences)}")
 
     @classmethod
-    def of(cls, rows: RolloutRows, old_logprobs: list[torch.Tensor]) -> TrainBatch:
+    def of(cls, rows: RolloutRows, old_logprobs: list[torch.Tensor] | None) -> TrainBatch:
         """`rows` with their pi_old."""
         return cls(**{f.name: getattr(rows, f.name) for f in fields(RolloutRows)}, old_logprobs=old_logprobs)
 
@@ -112,6 +112,7 @@ def micro_batches_for_update(batch: TrainBatch, rows: list[int], max_tokens: int
     replay = [torch.full((n,), float(r)) for n, r in zip(lengths, batch.is_replay, strict=True)]
     mbs = make_micro_batches(batch.sequences, batch.prompt_lengths, rows, max_tokens, packed)
     for mb in mbs:
-        mb.loss_inputs = LossInputs(mb.place(batch.old_logprobs), mb.place(batch.behaviour_logprobs),
+        old = None if batch.old_logprobs is None else mb.place(batch.old_logprobs)
+        mb.loss_inputs = LossInputs(old, mb.place(batch.behaviour_logprobs),
                                     mb.place(advantages), mb.place(replay), measure_mismatch)
     return mbs
