@@ -1,0 +1,201 @@
+"""Does bf16 learn as fp32 does, and does the cheaper pi_old source learn as the recompute does? SmolLM2-135M-Instruct,
+ExGRPO on the shipped word problems (`smollm2_word_problems`), the same seeds in every arm:
+
+    .venv/bin/python bench/precision_learning.py [--steps 20] [--seeds 1 2 3] [--arms fp32 bf16_recompute ...]
+    .venv/bin/python bench/precision_learning.py --analyse-only      # the tables from the runs on disk
+
+Arms (`ARMS`): fp32 (pi_old from the engine: exact there); bf16 with pi_old recomputed by a forward pass of the batch
+(`algo.old_logprobs=recompute`); bf16 with pi_old from the update's own forward (`training_forward`, no extra pass),
+with and without truncated IS against the engine's log-probs (`algo.fresh_is_cap=2`). Runs go seed by seed, every
+arm per seed, so an interrupted bench leaves balanced arms; each run resumes from its newest checkpoint and a finished
+one (`<root>/<arm>_seed<S>/run.json`) is not re-run. After training, each run's last checkpoint is exported to HF in
+fp32 and evaluated greedily on the 48 validation problems with the fp32 megatron engine (the same evaluation for
+every arm, so it compares what was learnt, not the evaluation's precision).
+
+Writes bench/results/precision_learning.{json,md,png}: per arm the batch-reward curve (mean over seeds and its
+min..max), the reward of the last half of the run per seed, the paired difference against fp32 per seed, the
+evaluation after training, seconds per step (train phase, its pi_old part, generation) and the rollout/trainer
+mismatch; the GEMM peaks measured at the start (bench/machine_peaks.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from machine_peaks import measure_peaks
+from real_model_e2e import evaluate, prepare, run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results", "precision_learning")
+BF16_TF = ("model.params_dtype=bf16", "algo.old_logprobs=training_forward")
+ARMS: dict[str, tuple[str, ...]] = {
+    "fp32": ("model.params_dtype=fp32",),
+    "bf16_recompute": ("model.params_dtype=bf16", "algo.old_logprobs=recompute"),
+    "bf16_training_forward_tis": (*BF16_TF, "algo.fresh_is_cap=2.0"),
+    "bf16_training_forward": BF16_TF,
+}
+KEYS = {"reward": "reward/mean", "fresh_reward": "reward/fresh_mean", "step_s": "time/step",
+        "generate_s": "time/generate", "train_s": "time/train", "old_logprobs_s": "time/old_logprobs",
+        "mismatch": "mismatch/token_mult_prob_error", "is_weight": "rollout/is_weight_mean",
+        "is_truncated": "rollout/is_truncated_fraction"}
+
+
+def run_one(arm: str, seed: int, args: argparse.Namespace, hf_dir: str, ckpt: str) -> dict:
+    """Train (resumably), export in fp32, evaluate; cached in <root>/<arm>_seed<seed>/run.json."""
+    root = os.path.join(args.root, f"{arm}_seed{seed}")
+    done = os.path.join(root, "run.json")
+    if os.path.isfile(done):
+        with open(done) as f:
+            return json.load(f)
+    os.makedirs(root, exist_ok=True)
+    run_dir, log = os.path.join(root, "run"), os.path.join(root, "stages.log")
+    run(["-m", "exgrpo_megatron.train", "--config-name", "smollm2_word_problems", f"seed={seed}",
+         f"checkpoint.init_from={ckpt}", f"logging.run_dir={run_dir}", f"trainer.total_steps={args.steps}",
+         f"checkpoint.save_every={args.save_every}", "checkpoint.resume=auto", *ARMS[arm]], log)
+    export = os.path.join(root, "hf_export")
+    if not os.path.isfile(os.path.join(export, "config.json")):
+        run(["tools/convert_megatron_to_hf.py", run_dir, export, "--dtype", "fp32"], log)
+    result = {"arm": arm, "seed": seed, "overrides": list(ARMS[arm]), "steps": load_steps(run_dir),
+              "eval_after": evaluate(export, hf_dir, os.path.join(root, "eval"), "megatron", sys.executable, log)}
+    with open(done, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def load_steps(run_dir: str) -> dict[str, list[float]]:
+    from exgrpo_megatron.logging.metrics import read_metrics
+
+    records = sorted((r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+                      if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+    return {"step": [r["step"] for r in records], **{k: [float(r.get(m, 0.0)) for r in records]
+                                                     for k, m in KEYS.items()}}
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / max(len(xs), 1)
+
+
+def analyse(runs: list[dict], steps: int) -> dict:
+    """Per arm: the curve over seeds, the late reward per seed, the paired difference against fp32, the times."""
+    half = steps // 2
+    by_arm: dict[str, dict[int, dict]] = {}
+    for r in runs:
+        if len(r["steps"]["step"]) == steps:
+            by_arm.setdefault(r["arm"], {})[r["seed"]] = r
+    out: dict = {}
+    for arm, seeds in by_arm.items():
+        curves = [seeds[s]["steps"]["reward"] for s in sorted(seeds)]
+        late = {s: mean(seeds[s]["steps"]["reward"][half:]) for s in sorted(seeds)}
+        timing = {k: mean([mean(seeds[s]["steps"][k][1:]) for s in seeds])  # step 1 holds the start-up
+                  for k in ("step_s", "generate_s", "train_s", "old_logprobs_s")}
+        out[arm] = {
+            "seeds": sorted(seeds), "overrides": next(iter(seeds.values()))["overrides"],
+            "reward_mean": [mean(list(c)) for c in zip(*curves, strict=True)],
+            "reward_min": [min(c) for c in zip(*curves, strict=True)],
+            "reward_max": [max(c) for c in zip(*curves, strict=True)],
+            "late_reward_per_seed": late, "late_reward_mean": mean(list(late.values())),
+            "eval_after_per_seed": {s: seeds[s]["eval_after"]["math_verify_accuracy"] for s in sorted(seeds)},
+            "eval_after_mean": mean([seeds[s]["eval_after"]["math_verify_accuracy"] for s in seeds]),
+            "mismatch_mean": mean([mean(seeds[s]["steps"]["mismatch"]) for s in seeds]),
+            "is_weight_mean": mean([mean(seeds[s]["steps"]["is_weight"]) for s in seeds]),
+            "is_truncated_fraction": mean([mean(seeds[s]["steps"]["is_truncated"]) for s in seeds]),
+            **{f"mean_{k}": v for k, v in timing.items()}}
+    ref = out.get("fp32")
+    for arm, a in out.items():
+        if ref is None or arm == "fp32":
+            continue
+        paired = [a["late_reward_per_seed"][s] - ref["late_reward_per_seed"][s] for s in a["seeds"]
+                  if s in ref["late_reward_per_seed"]]
+        spread = list(ref["late_reward_per_seed"].values())
+        a["late_reward_minus_fp32_per_seed"] = paired
+        a["late_reward_minus_fp32_mean"] = mean(paired)
+        a["late_reward_inside_fp32_seed_spread"] = min(spread) <= a["late_reward_mean"] <= max(spread)
+        a["eval_minus_fp32_mean"] = a["eval_after_mean"] - ref["eval_after_mean"]
+        a["step_speedup_vs_fp32"] = ref["mean_step_s"] / a["mean_step_s"]
+        a["train_speedup_vs_fp32"] = ref["mean_train_s"] / a["mean_train_s"]
+    return out
+
+
+def table(arms: dict, steps: int) -> str:
+    lines = [f"| arm | reward, steps {steps // 2 + 1}-{steps} (per seed) | minus fp32 | greedy eval after | s / step "
+             "| train s (pi_old s) | generate s | mismatch | step speed-up vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for arm, a in arms.items():
+        per_seed = ", ".join(f"{v:.3f}" for v in a["late_reward_per_seed"].values())
+        diff = "" if arm == "fp32" else f"{a['late_reward_minus_fp32_mean']:+.3f}"
+        speed = "" if arm == "fp32" else f"{a['step_speedup_vs_fp32']:.2f}x"
+        lines.append(f"| {arm} | {a['late_reward_mean']:.3f} ({per_seed}) | {diff} | {a['eval_after_mean']:.3f} | "
+                     f"{a['mean_step_s']:.1f} | {a['mean_train_s']:.1f} ({a['mean_old_logprobs_s']:.1f}) | "
+                     f"{a['mean_generate_s']:.1f} | {a['mismatch_mean']:.4f} | {speed} |")
+    return "\n".join(lines)
+
+
+def plot(arms: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for arm, a in arms.items():
+        x = list(range(1, len(a["reward_mean"]) + 1))
+        (line,) = ax.plot(x, a["reward_mean"], label=f"{arm} (mean of seeds {a['seeds']})")
+        ax.fill_between(x, a["reward_min"], a["reward_max"], color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("step")
+    ax.set_ylabel("batch reward (T = 0.6)")
+    ax.set_title("SmolLM2-135M, ExGRPO on word problems: precision and pi_old source (band: min..max over seeds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def write(args: argparse.Namespace, runs: list[dict], peaks: dict | None) -> None:
+    arms = analyse(runs, args.steps)
+    results = {"command": shlex.join([sys.executable, *sys.argv]), "steps": args.steps, "seeds": args.seeds,
+               "machine_peaks": peaks, "load_average": os.getloadavg(), "arms": arms, "runs": runs}
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    text = table(arms, args.steps) if arms else "(no finished run)"
+    with open(RESULTS + ".md", "w") as f:
+        f.write(f"# bf16 vs fp32 learning and the pi_old source (SmolLM2-135M, {args.steps} steps)\n\n"
+                f"`{results['command']}`\n\n{text}\n")
+    if arms:
+        plot(arms, RESULTS + ".png")
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--save-every", type=int, default=5)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS)[:3], choices=list(ARMS))
+    parser.add_argument("--root", default=os.path.join(REPO, "runs", "bench_precision_learning"))
+    parser.add_argument("--analyse-only", action="store_true", help="the tables from the finished runs on disk")
+    args = parser.parse_args(argv)
+    plan = [(arm, seed) for seed in args.seeds for arm in args.arms]
+    if args.analyse_only:
+        runs = []
+        for arm, seed in plan:
+            done = os.path.join(args.root, f"{arm}_seed{seed}", "run.json")
+            if os.path.isfile(done):
+                with open(done) as f:
+                    runs.append(json.load(f))
+        return write(args, runs, None)
+    os.makedirs(args.root, exist_ok=True)
+    hf_dir, ckpt = prepare(args.root)
+    peaks = {"generate_1_thread": measure_peaks(1), "train_2_threads": measure_peaks(2)}
+    runs = []
+    for arm, seed in plan:
+        runs.append(run_one(arm, seed, args, hf_dir, ckpt))
+        write(args, runs, peaks)
+
+
+if __name__ == "__main__":
+    main()
