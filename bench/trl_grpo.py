@@ -9,8 +9,8 @@ one update per step), TRL in fp32 and with bf16 autocast (its best CPU precision
 Ours: `exgrpo_megatron.train --config-name smollm2_word_problems` (the preset users run: ExGRPO, one update per step;
 replay starts once the batch pass rate reaches 10%, so a short run is mostly on-policy) under `--ours-python` (the
 project's .venv), from the converted checkpoint bench/real_model_e2e.py builds; its `time/step` and `reward/mean`
-per step. Both frameworks train with all the machine's cores; ours generates on one thread (the runner's
-OMP_NUM_THREADS=1, as bench/real_model_e2e.py runs it), TRL on all of them, so the ratios favour TRL's generation.
+per step. Both frameworks train and generate with all the machine's cores (ours: OMP_NUM_THREADS = the core count
+for generation, `trainer.train_threads=0` for the policy's passes).
 
 CPU settings: use_cpu=True, gradient_checkpointing=False; loss_type="dr_grpo", scale_rewards="none" and beta=0
 (no reference model) as our objective; GRPOTrainer counts completions in per_device_train_batch_size (32 =
@@ -112,12 +112,12 @@ def run_ours_arm(precision: str, steps: int, root: str, python: str) -> dict:
         run(["-m", "exgrpo_megatron.train", "--config-name", "smollm2_word_problems", f"model.params_dtype={precision}",
              f"checkpoint.init_from={ckpt}", f"logging.run_dir={run_dir}", f"trainer.total_steps={steps}",
              f"checkpoint.save_every={steps}", "checkpoint.resume=auto", "trainer.train_threads=0"],
-            os.path.join(root, f"ours_{precision}.log"), python)
+            os.path.join(root, f"ours_{precision}.log"), python, threads=os.cpu_count() or 1)
     s = load_steps(run_dir)
     times = s["step_s"]
     measured = times[1:] or times
     return {"precision": precision, "complete": len(times) == steps, "step_s": times, "reward": s["reward"],
-            "generate_s": s["generate_s"], "train_s": s["train_s"],
+            "generate_s": s["generate_s"], "train_s": s["train_s"], "old_logprobs_s": s["old_logprobs_s"],
             "mean_step_s": statistics.fmean(measured) if measured else None,
             "mean_reward": statistics.fmean(s["reward"]) if s["reward"] else None}
 

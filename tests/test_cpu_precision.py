@@ -67,11 +67,13 @@ def test_smollm2_is_bf16_with_a_unit_fp32_without_and_fp32_one_override_away(mon
                      monkeypatch) == torch.float32
 
 
-def test_a_bf16_megatron_engine_recomputes_old_logprobs_under_auto(monkeypatch):
+def test_a_bf16_megatron_engine_takes_the_trainers_old_logprobs_under_auto(monkeypatch):
     ckpt = ["checkpoint.init_from=/x"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(derived, "this_cpu_bf16_unit", lambda: "AVX512-BF16")
-    assert resolve_old_logprobs_for(load_config("smollm2_word_problems", ckpt)) == "recompute"
+    assert resolve_old_logprobs_for(load_config("smollm2_word_problems", ckpt)) == "training_forward"  # 1 update
+    assert resolve_old_logprobs_for(load_config("smollm2_word_problems", [*ckpt, "trainer.ppo_mini_batch_size=4"])) \
+        == "recompute"
     assert resolve_old_logprobs_for(load_config("smollm2_word_problems", [*ckpt, "model.params_dtype=fp32"])) \
         == "rollout"
 
