@@ -3,11 +3,11 @@
 Fresh rows were sampled by the rollout engine from exactly these weights, and the engine returns the sampled
 tokens' log-probs (rollout/types.py contract: log_softmax(logits / T)). Where the engine computes them as the
 policy does, those ARE pi_old and a second forward pass buys nothing:
-  - the megatron engine (the policy's own modules and dtype; 1.5e-7 from a recompute in fp32);
+  - the megatron engine in fp32 (the policy's own modules; 1.5e-7 from a recompute);
   - vLLM in fp32 with top_p = 1 and top-k off (with top-p/top-k vLLM versions differ on renormalisation).
-vLLM in bf16 is not exact: there pi_old is the trainer's, from the update's own forward (`training_forward`, one
-update per step: this module then returns None and the loss detaches its log-probs) or from a forward pass of
-every row here (`recompute`); config/old_logprobs.py decides which.
+Elsewhere (a bf16 engine, or generation ahead of training) pi_old is the trainer's: the update's own forward
+(`training_forward`, one update per step: this module then returns None and the loss detaches its log-probs) or a
+forward pass of every row here (`recompute`); config/old_logprobs.py decides which.
 
 Replayed rows were sampled long ago (their recorded log-probs are pi_behaviour, the replay ratio's denominator,
 docs/exgrpo.md), so their pi_old still needs the current weights. The trajectory-selection pass
