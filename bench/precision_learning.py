@@ -12,10 +12,12 @@ one (`<root>/<arm>_seed<S>/run.json`) is not re-run. After training, each run's 
 fp32 and evaluated greedily on the 48 validation problems with the fp32 megatron engine (the same evaluation for
 every arm, so it compares what was learnt, not the evaluation's precision).
 
-Writes bench/results/precision_learning.{json,md,png}: per arm the batch-reward curve (mean over seeds and its
-min..max), the reward of the last half of the run per seed, the paired difference against fp32 per seed, the
-evaluation after training, seconds per step (train phase, its pi_old part, generation) and the rollout/trainer
-mismatch; the GEMM peaks measured at the start (bench/machine_peaks.py).
+Writes bench/results/precision_learning.{json,md,png}: per arm the reward curves (mean over seeds and min..max) of
+the fresh samples (the policy's own on new questions: what it learnt; the batch reward also holds the replayed
+trajectories, chosen among questions the model already half-solves) and of the whole batch, the fresh reward of the
+last half of the run per seed, its paired difference against fp32 per seed, the evaluation after training, seconds
+per step (train phase, its pi_old part, generation) and the rollout/trainer mismatch; the GEMM peaks measured at the
+start (bench/machine_peaks.py).
 """
 
 from __future__ import annotations
@@ -89,15 +91,18 @@ def analyse(runs: list[dict], steps: int) -> dict:
             by_arm.setdefault(r["arm"], {})[r["seed"]] = r
     out: dict = {}
     for arm, seeds in by_arm.items():
-        curves = [seeds[s]["steps"]["reward"] for s in sorted(seeds)]
-        late = {s: mean(seeds[s]["steps"]["reward"][half:]) for s in sorted(seeds)}
+        curves = [seeds[s]["steps"]["fresh_reward"] for s in sorted(seeds)]
+        batch = [seeds[s]["steps"]["reward"] for s in sorted(seeds)]
+        late = {s: mean(seeds[s]["steps"]["fresh_reward"][half:]) for s in sorted(seeds)}
         timing = {k: mean([mean(seeds[s]["steps"][k][1:]) for s in seeds])  # step 1 holds the start-up
                   for k in ("step_s", "generate_s", "train_s", "old_logprobs_s")}
         out[arm] = {
             "seeds": sorted(seeds), "overrides": next(iter(seeds.values()))["overrides"],
-            "reward_mean": [mean(list(c)) for c in zip(*curves, strict=True)],
-            "reward_min": [min(c) for c in zip(*curves, strict=True)],
-            "reward_max": [max(c) for c in zip(*curves, strict=True)],
+            "fresh_reward_mean": [mean(list(c)) for c in zip(*curves, strict=True)],
+            "fresh_reward_min": [min(c) for c in zip(*curves, strict=True)],
+            "fresh_reward_max": [max(c) for c in zip(*curves, strict=True)],
+            "batch_reward_mean": [mean(list(c)) for c in zip(*batch, strict=True)],
+            "late_batch_reward_mean": mean([mean(c[half:]) for c in batch]),
             "late_reward_per_seed": late, "late_reward_mean": mean(list(late.values())),
             "eval_after_per_seed": {s: seeds[s]["eval_after"]["math_verify_accuracy"] for s in sorted(seeds)},
             "eval_after_mean": mean([seeds[s]["eval_after"]["math_verify_accuracy"] for s in seeds]),
@@ -122,14 +127,15 @@ def analyse(runs: list[dict], steps: int) -> dict:
 
 
 def table(arms: dict, steps: int) -> str:
-    lines = [f"| arm | reward, steps {steps // 2 + 1}-{steps} (per seed) | minus fp32 | greedy eval after | s / step "
-             "| train s (pi_old s) | generate s | mismatch | step speed-up vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| arm | fresh reward, steps {steps // 2 + 1}-{steps} (per seed) | minus fp32 | batch reward | greedy "
+             "eval after | s / step | train s (pi_old s) | generate s | mismatch | step speed-up vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, a in arms.items():
         per_seed = ", ".join(f"{v:.3f}" for v in a["late_reward_per_seed"].values())
         diff = "" if arm == "fp32" else f"{a['late_reward_minus_fp32_mean']:+.3f}"
         speed = "" if arm == "fp32" else f"{a['step_speedup_vs_fp32']:.2f}x"
-        lines.append(f"| {arm} | {a['late_reward_mean']:.3f} ({per_seed}) | {diff} | {a['eval_after_mean']:.3f} | "
+        lines.append(f"| {arm} | {a['late_reward_mean']:.3f} ({per_seed}) | {diff} | "
+                     f"{a['late_batch_reward_mean']:.3f} | {a['eval_after_mean']:.3f} | "
                      f"{a['mean_step_s']:.1f} | {a['mean_train_s']:.1f} ({a['mean_old_logprobs_s']:.1f}) | "
                      f"{a['mean_generate_s']:.1f} | {a['mismatch_mean']:.4f} | {speed} |")
     return "\n".join(lines)
@@ -141,15 +147,18 @@ def plot(arms: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
     for arm, a in arms.items():
-        x = list(range(1, len(a["reward_mean"]) + 1))
-        (line,) = ax.plot(x, a["reward_mean"], label=f"{arm} (mean of seeds {a['seeds']})")
-        ax.fill_between(x, a["reward_min"], a["reward_max"], color=line.get_color(), alpha=0.15)
-    ax.set_xlabel("step")
-    ax.set_ylabel("batch reward (T = 0.6)")
-    ax.set_title("SmolLM2-135M, ExGRPO on word problems: precision and pi_old source (band: min..max over seeds)")
-    ax.legend(fontsize=8)
+        x = list(range(1, len(a["fresh_reward_mean"]) + 1))
+        (line,) = ax.plot(x, a["fresh_reward_mean"], label=f"{arm} (mean of seeds {a['seeds']})")
+        ax.fill_between(x, a["fresh_reward_min"], a["fresh_reward_max"], color=line.get_color(), alpha=0.15)
+        bx.plot(x, a["batch_reward_mean"], color=line.get_color(), label=arm)
+    ax.set_title("fresh samples' reward (T = 0.6; band: min..max over seeds)")
+    bx.set_title("batch reward, replayed trajectories included (mean over seeds)")
+    for axis in (ax, bx):
+        axis.set_xlabel("step")
+        axis.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M, ExGRPO on word problems: precision and pi_old source")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
