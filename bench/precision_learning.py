@@ -16,8 +16,10 @@ Writes bench/results/precision_learning.{json,md,png}: per arm the reward curves
 the fresh samples (the policy's own on new questions: what it learnt; the batch reward also holds the replayed
 trajectories, chosen among questions the model already half-solves) and of the whole batch, the fresh reward of the
 last half of the run per seed, its paired difference against fp32 per seed, the evaluation after training, seconds
-per step (train phase, its pi_old part, generation) and the rollout/trainer mismatch; the GEMM peaks measured at the
-start (bench/machine_peaks.py).
+per step (train phase, its pi_old part, generation), the rollout/trainer mismatch, and how far training moved the
+model's weights (the exported weights against the initial ones in the arm's precision: the share of entries that
+changed and the relative change of each tensor, averaged); the GEMM peaks measured at the start
+(bench/machine_peaks.py).
 """
 
 from __future__ import annotations
@@ -63,10 +65,37 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, hf_dir: str, ckpt: st
     if not os.path.isfile(os.path.join(export, "config.json")):
         run(["tools/convert_megatron_to_hf.py", run_dir, export, "--dtype", "fp32"], log)
     result = {"arm": arm, "seed": seed, "overrides": list(ARMS[arm]), "steps": load_steps(run_dir),
-              "eval_after": evaluate(export, hf_dir, os.path.join(root, "eval"), "megatron", sys.executable, log)}
+              "eval_after": evaluate(export, hf_dir, os.path.join(root, "eval"), "megatron", sys.executable, log),
+              "weights": weight_change(export, hf_dir, "model.params_dtype=bf16" in ARMS[arm])}
     with open(done, "w") as f:
         json.dump(result, f, indent=1)
     return result
+
+
+def weight_change(export: str, initial: str, bf16: bool) -> dict[str, float]:
+    """How far training moved the model's weights: the share of entries of the exported (fp32) weights that differ
+    from the initial ones (rounded to bf16 for a bf16 arm: the weights it started from) and the mean over tensors of
+    |w - w0| / |w0|."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+
+    def load(d: str) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+            out.update(load_file(f))
+        return out
+
+    start, end = load(initial), load(export)
+    changed = total = 0
+    rel = []
+    for name, w in end.items():
+        w0 = start[name].to(torch.bfloat16).float() if bf16 else start[name].float()
+        changed += int((w.float() != w0).sum())
+        total += w.numel()
+        rel.append(float((w.float() - w0).norm() / w0.norm().clamp_min(1e-30)))
+    return {"changed_fraction": changed / max(total, 1), "mean_relative_change": mean(rel)}
 
 
 def load_steps(run_dir: str) -> dict[str, list[float]]:
@@ -106,6 +135,8 @@ def analyse(runs: list[dict], steps: int) -> dict:
             "late_reward_per_seed": late, "late_reward_mean": mean(list(late.values())),
             "eval_after_per_seed": {s: seeds[s]["eval_after"]["math_verify_accuracy"] for s in sorted(seeds)},
             "eval_after_mean": mean([seeds[s]["eval_after"]["math_verify_accuracy"] for s in seeds]),
+            "weights_changed_fraction": mean([seeds[s]["weights"]["changed_fraction"] for s in seeds]),
+            "weights_mean_relative_change": mean([seeds[s]["weights"]["mean_relative_change"] for s in seeds]),
             "mismatch_mean": mean([mean(seeds[s]["steps"]["mismatch"]) for s in seeds]),
             "is_weight_mean": mean([mean(seeds[s]["steps"]["is_weight"]) for s in seeds]),
             "is_truncated_fraction": mean([mean(seeds[s]["steps"]["is_truncated"]) for s in seeds]),
@@ -128,14 +159,15 @@ def analyse(runs: list[dict], steps: int) -> dict:
 
 def table(arms: dict, steps: int) -> str:
     lines = [f"| arm | fresh reward, steps {steps // 2 + 1}-{steps} (per seed) | minus fp32 | batch reward | greedy "
-             "eval after | s / step | train s (pi_old s) | generate s | mismatch | step speed-up vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "eval after | weights changed (relative change) | s / step | train s (pi_old s) | generate s | mismatch | "
+             "step speed-up vs fp32 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, a in arms.items():
         per_seed = ", ".join(f"{v:.3f}" for v in a["late_reward_per_seed"].values())
         diff = "" if arm == "fp32" else f"{a['late_reward_minus_fp32_mean']:+.3f}"
         speed = "" if arm == "fp32" else f"{a['step_speedup_vs_fp32']:.2f}x"
         lines.append(f"| {arm} | {a['late_reward_mean']:.3f} ({per_seed}) | {diff} | "
                      f"{a['late_batch_reward_mean']:.3f} | {a['eval_after_mean']:.3f} | "
+                     f"{a['weights_changed_fraction']:.1%} ({a['weights_mean_relative_change']:.1e}) | "
                      f"{a['mean_step_s']:.1f} | {a['mean_train_s']:.1f} ({a['mean_old_logprobs_s']:.1f}) | "
                      f"{a['mean_generate_s']:.1f} | {a['mismatch_mean']:.4f} | {speed} |")
     return "\n".join(lines)
@@ -195,7 +227,12 @@ def main(argv: list[str] | None = None) -> None:
             done = os.path.join(args.root, f"{arm}_seed{seed}", "run.json")
             if os.path.isfile(done):
                 with open(done) as f:
-                    runs.append(json.load(f))
+                    r = json.load(f)
+                if "weights" not in r:  # a run recorded before the weight change was measured
+                    r["weights"] = weight_change(os.path.join(os.path.dirname(done), "hf_export"),
+                                                 os.path.join(REPO, ".cache", "smollm2-135m-instruct"),
+                                                 "model.params_dtype=bf16" in r["overrides"])
+                runs.append(r)
         return write(args, runs, None)
     os.makedirs(args.root, exist_ok=True)
     hf_dir, ckpt = prepare(args.root)
