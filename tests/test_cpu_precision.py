@@ -58,21 +58,21 @@ def test_demo_and_fidelity_presets_stay_fp32_on_every_cpu(unit, monkeypatch):
         assert _resolved(preset, [], unit, monkeypatch) == torch.float32
 
 
-def test_smollm2_is_bf16_with_a_unit_fp32_without_and_fp32_one_override_away(monkeypatch):
-    ckpt = ["checkpoint.init_from=/x"]
-    assert load_config("smollm2_word_problems", ckpt).model.params_dtype == "auto"
-    assert _resolved("smollm2_word_problems", ckpt, "AVX512-BF16", monkeypatch) == torch.bfloat16
-    assert _resolved("smollm2_word_problems", ckpt, None, monkeypatch) == torch.float32
-    assert _resolved("smollm2_word_problems", [*ckpt, "model.params_dtype=fp32"], "AMX-BF16",
-                     monkeypatch) == torch.float32
+def test_smollm2_is_bf16_under_auto_with_a_unit_and_its_rl_preset_pins_fp32(monkeypatch):
+    ckpt, auto = ["checkpoint.init_from=/x"], "model.params_dtype=auto"
+    assert _resolved("smollm2_word_problems", [*ckpt, auto], "AVX512-BF16", monkeypatch) == torch.bfloat16
+    assert _resolved("smollm2_word_problems", [*ckpt, auto], None, monkeypatch) == torch.float32
+    assert load_config("smollm2_word_problems", ckpt).model.params_dtype == "fp32"  # bf16 learns less at its lr
+    assert _resolved("smollm2_word_problems", ckpt, "AMX-BF16", monkeypatch) == torch.float32
 
 
 def test_a_bf16_megatron_engine_takes_the_trainers_old_logprobs_under_auto(monkeypatch):
     ckpt = ["checkpoint.init_from=/x"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(derived, "this_cpu_bf16_unit", lambda: "AVX512-BF16")
-    assert resolve_old_logprobs_for(load_config("smollm2_word_problems", ckpt)) == "training_forward"  # 1 update
-    assert resolve_old_logprobs_for(load_config("smollm2_word_problems", [*ckpt, "trainer.ppo_mini_batch_size=4"])) \
+    bf16 = [*ckpt, "model.params_dtype=auto"]
+    assert resolve_old_logprobs_for(load_config("smollm2_word_problems", bf16)) == "training_forward"  # 1 update
+    assert resolve_old_logprobs_for(load_config("smollm2_word_problems", [*bf16, "trainer.ppo_mini_batch_size=4"])) \
         == "recompute"
     assert resolve_old_logprobs_for(load_config("smollm2_word_problems", [*ckpt, "model.params_dtype=fp32"])) \
         == "rollout"
