@@ -31,7 +31,7 @@ import shlex
 import sys
 
 from machine_peaks import measure_peaks
-from real_model_e2e import evaluate, prepare, run
+from real_model_e2e import evaluate, load_steps, prepare, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -43,10 +43,6 @@ ARMS: dict[str, tuple[str, ...]] = {
     "bf16_training_forward_tis": (*BF16_TF, "algo.fresh_is_cap=2.0"),
     "bf16_training_forward": BF16_TF,
 }
-KEYS = {"reward": "reward/mean", "fresh_reward": "reward/fresh_mean", "step_s": "time/step",
-        "generate_s": "time/generate", "train_s": "time/train", "old_logprobs_s": "time/old_logprobs",
-        "mismatch": "mismatch/token_mult_prob_error", "is_weight": "rollout/is_weight_mean",
-        "is_truncated": "rollout/is_truncated_fraction"}
 
 
 def run_one(arm: str, seed: int, args: argparse.Namespace, hf_dir: str, ckpt: str) -> dict:
@@ -76,35 +72,20 @@ def weight_change(export: str, initial: str, bf16: bool) -> dict[str, float]:
     """How far training moved the model's weights: the share of entries of the exported (fp32) weights that differ
     from the initial ones (rounded to bf16 for a bf16 arm: the weights it started from) and the mean over tensors of
     |w - w0| / |w0|."""
-    import glob
-
     import torch
-    from safetensors.torch import load_file
 
-    def load(d: str) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
-            out.update(load_file(f))
-        return out
+    from exgrpo_megatron.convert.hf_io import SafetensorsSource
 
-    start, end = load(initial), load(export)
+    start, end = SafetensorsSource(initial), SafetensorsSource(export)
     changed = total = 0
     rel = []
-    for name, w in end.items():
-        w0 = start[name].to(torch.bfloat16).float() if bf16 else start[name].float()
+    for name in end.names():
+        w, w0 = end.get(name), start.get(name)
+        w0 = w0.to(torch.bfloat16).float() if bf16 else w0.float()
         changed += int((w.float() != w0).sum())
         total += w.numel()
         rel.append(float((w.float() - w0).norm() / w0.norm().clamp_min(1e-30)))
     return {"changed_fraction": changed / max(total, 1), "mean_relative_change": mean(rel)}
-
-
-def load_steps(run_dir: str) -> dict[str, list[float]]:
-    from exgrpo_megatron.logging.metrics import read_metrics
-
-    records = sorted((r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-                      if isinstance(r.get("step"), int)), key=lambda r: r["step"])
-    return {"step": [r["step"] for r in records], **{k: [float(r.get(m, 0.0)) for r in records]
-                                                     for k, m in KEYS.items()}}
 
 
 def mean(xs: list[float]) -> float:
@@ -137,7 +118,7 @@ def analyse(runs: list[dict], steps: int) -> dict:
             "eval_after_mean": mean([seeds[s]["eval_after"]["math_verify_accuracy"] for s in seeds]),
             "weights_changed_fraction": mean([seeds[s]["weights"]["changed_fraction"] for s in seeds]),
             "weights_mean_relative_change": mean([seeds[s]["weights"]["mean_relative_change"] for s in seeds]),
-            "mismatch_mean": mean([mean(seeds[s]["steps"]["mismatch"]) for s in seeds]),
+            "mismatch_mean": mean([mean(seeds[s]["steps"]["logprob_ratio"]) for s in seeds]),
             "is_weight_mean": mean([mean(seeds[s]["steps"]["is_weight"]) for s in seeds]),
             "is_truncated_fraction": mean([mean(seeds[s]["steps"]["is_truncated"]) for s in seeds]),
             **{f"mean_{k}": v for k, v in timing.items()}}
@@ -227,12 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             done = os.path.join(args.root, f"{arm}_seed{seed}", "run.json")
             if os.path.isfile(done):
                 with open(done) as f:
-                    r = json.load(f)
-                if "weights" not in r:  # a run recorded before the weight change was measured
-                    r["weights"] = weight_change(os.path.join(os.path.dirname(done), "hf_export"),
-                                                 os.path.join(REPO, ".cache", "smollm2-135m-instruct"),
-                                                 "model.params_dtype=bf16" in r["overrides"])
-                runs.append(r)
+                    runs.append(json.load(f))
         peaks = None  # the peaks the running bench measured, kept from its results
         if os.path.isfile(RESULTS + ".json"):
             with open(RESULTS + ".json") as f:

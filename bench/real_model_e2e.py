@@ -45,6 +45,7 @@ EVAL_TOKENS = 64
 STEP_KEYS = {"reward": "reward/mean", "fresh_reward": "reward/fresh_mean", "replayed": "experience/n_replayed",
              "generate_s": "time/generate", "refit_s": "time/refit", "reward_s": "time/reward",
              "train_s": "time/train", "old_logprobs_s": "time/old_logprobs", "step_s": "time/step",
+             "is_weight": "rollout/is_weight_mean", "is_truncated": "rollout/is_truncated_fraction",
              "logprob_ratio": "mismatch/token_mult_prob_error", "response_length": "response_length/mean"}
 
 
