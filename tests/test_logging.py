@@ -112,6 +112,50 @@ def test_progress_bar_shows_metrics_and_step():
     assert silent.getvalue() == ""
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_in_a_log_file_is_whole_lines_with_messages_between_and_the_last_step_once():
+    log = io.StringIO()  # not a terminal: a log file or a pipe
+    bar = ProgressBar(total_steps=3, enabled=True, file=log, mininterval=0.0)
+    for step in (1, 2, 3):
+        bar.update(step, {"reward/mean": step / 4})
+        if step == 2:
+            bar.write("exgrpo-train: saved checkpoint runs/x/checkpoints/step_00000002")
+    bar.write("exgrpo-train: saved checkpoint runs/x/checkpoints/step_00000003")
+    bar.close()
+    lines = log.getvalue().split("\n")
+    assert "\r" not in log.getvalue() and lines[-1] == ""
+    assert lines[0].startswith("train: step 1/3 (33%)") and lines[0].endswith("; reward=0.250")
+    assert lines[2] == "exgrpo-train: saved checkpoint runs/x/checkpoints/step_00000002"
+    assert lines[3].startswith("train: step 3/3 (100%)") and " s/step, remaining 00:00" in lines[3]
+    assert lines[4] == "exgrpo-train: saved checkpoint runs/x/checkpoints/step_00000003" and len(lines) == 6
+    assert sum("100%" in line for line in lines) == 1
+
+
+def test_progress_in_a_log_file_is_throttled_and_a_stop_early_prints_the_last_step():
+    log = io.StringIO()
+    bar = ProgressBar(total_steps=100, start_step=10, enabled=True, file=log, mininterval=3600.0)
+    for step in range(11, 41):
+        bar.update(step, {"batch/solved": 0.5})
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["train: step 11/100", "train: step 40/100"]
+
+
+def test_progress_on_a_terminal_writes_messages_above_the_bar():
+    term = _Terminal()
+    bar = ProgressBar(total_steps=4, enabled=True, file=term, mininterval=0.0)
+    bar.update(1, {"reward/mean": 0.5})
+    bar.write("exgrpo-train: saved checkpoint X")
+    bar.close()
+    text = term.getvalue()
+    assert "\nexgrpo-train: saved checkpoint X\n" in text.replace("\r", "\n")
+    assert "1/4" in text and "reward=0.500" in text
+
+
 def test_step_timer_accumulates_and_resets():
     calls = []
     timer = StepTimer(synchronize=lambda: calls.append(1))
