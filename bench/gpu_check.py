@@ -49,7 +49,9 @@ sys.path.insert(0, str(REPO))
 NUMERICS_OVERRIDES = ["model.layer_spec=local", "algo.old_logprobs=recompute", "rollout.n=4",
                       "trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=8", "trainer.val_every=0",
                       "trainer.sft_warm_start_steps=0", "logging.progress_bar=false", "logging.tensorboard=false"]
-RL_STEP_GPU = ["model=qwen2_5_math_1_5b", "model.hf_path=null", "model.params_dtype=bf16",
+# Qwen2.5-1.5B's transformer body with the character tokenizer's 103 ids as the vocabulary (a random model with
+# Qwen's 151,936 would sample ids the tokenizer cannot decode): 1.31 B matmul parameters instead of 1.54 B.
+RL_STEP_GPU = ["model=qwen2_5_math_1_5b", "model.hf_path=null", "model.params_dtype=bf16", "model.vocab_size=103",
                "trainer.train_batch_size=64", "trainer.ppo_mini_batch_size=64", "rollout.n=8",
                "rollout.max_batch_sequences=512", "data.max_response_length=256",
                "trainer.micro_batch_max_tokens=16384"]
