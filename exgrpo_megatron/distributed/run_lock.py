@@ -5,7 +5,11 @@ launch by hand) delete each other's in-progress checkpoints and write into repla
 global rank 0 takes `<run_dir>/run.lock` before the process group, the model or any file exists:
 
 * the lock is an exclusive `fcntl.flock` on that file, held for the life of the process; the kernel drops it
-  when the holder dies however it dies (SIGKILL included), so a requeue after a crash is never blocked;
+  when the last descriptor of the open file is closed, so when the holder dies however it dies (SIGKILL
+  included) -- provided no other process holds a copy of the descriptor. The descriptor is close-on-exec (every
+  descriptor Python opens is), and a child *forked* from the holder (megatron-core's checkpoint writers are) closes
+  its copy right after the fork (`os.register_at_fork`): a writer orphaned by a `kill -9` of the trainer no longer
+  keeps the run directory locked (and distributed/lifetime.py makes it die with the trainer anyway);
 * the file says who holds it (pid, host, Slurm job, start time): a second launch exits with status 2 naming
   the holder;
 * where the filesystem has no working flock (ENOLCK / EOPNOTSUPP), the holder recorded in the file decides:
@@ -26,11 +30,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+from weakref import WeakSet
 
 from exgrpo_megatron.config.paths import run_dir_problem
 
 LOCK_FILE = "run.lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+_HELD: WeakSet[RunDirLock] = WeakSet()  # the locks this process holds (a forked child closes its copies)
 
 
 class RunDirError(RuntimeError):
@@ -66,7 +74,7 @@ def _this_holder() -> dict[str, Any]:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-@dataclass
+@dataclass(eq=False)
 class RunDirLock:
     """An acquired lock; `release()` (or process exit) gives it up."""
 
@@ -85,6 +93,27 @@ class RunDirLock:
         fcntl.flock(self.handle, fcntl.LOCK_UN)
         self.handle.close()
         self.handle = None
+
+    def drop_in_forked_child(self) -> None:
+        """In a child forked from the holder: let go of the inherited descriptor without unlocking (the lock
+        belongs to the open file, shared with the parent). The descriptor is pointed at /dev/null rather than
+        closed, so the number is not reused while the file object still names it."""
+        if self.handle is None:
+            return
+        devnull = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(devnull, self.handle.fileno())
+        finally:
+            os.close(devnull)
+        self.handle = None  # the file object is dropped with its /dev/null descriptor
+
+
+def _drop_locks_in_forked_child() -> None:
+    for lock in list(_HELD):
+        lock.drop_in_forked_child()
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_forked_child)
 
 
 def _claim_without_flock(fh: IO[str], path: Path) -> None:
@@ -133,4 +162,6 @@ def acquire_run_dir(run_dir: str | Path) -> RunDirLock:
     fh.write(json.dumps(_this_holder()) + "\n")
     fh.flush()
     os.fsync(fh.fileno())
-    return RunDirLock(path, fh)
+    lock = RunDirLock(path, fh)
+    _HELD.add(lock)
+    return lock

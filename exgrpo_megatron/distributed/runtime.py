@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.distributed import cpu_shims
+from exgrpo_megatron.distributed import cpu_shims, lifetime
 from exgrpo_megatron.distributed.launch_env import LaunchEnv, launch_env
 
 
@@ -68,8 +68,10 @@ def init_distributed(
     env: LaunchEnv | None = None,
     timeout_minutes: int = 30,
 ) -> ParallelLayout:
-    """Initialise the default process group and megatron's TP/PP/DP groups; idempotent."""
+    """Initialise the default process group and megatron's TP/PP/DP groups; idempotent. From here on every child
+    this process forks (megatron's checkpoint writers) dies with it (distributed/lifetime.py)."""
     cpu_shims.apply()
+    lifetime.install_fork_hooks()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
