@@ -126,6 +126,9 @@ def staleness_errors(cfg: RootConfig) -> list[str]:
     cores = os.cpu_count() or 1  # the launcher may have pinned the trainer (taskset): the generator pins itself
     if any(not 0 <= core < cores for core in r.generator.cpu_cores):
         e.append(f"rollout.generator.cpu_cores: {list(r.generator.cpu_cores)}: this machine has cores 0..{cores - 1}")
+    for key in ("startup_timeout_seconds", "deadline_factor", "deadline_min_seconds"):
+        if not getattr(r.generator, key) > 0:
+            e.append(f"rollout.generator.{key}: {getattr(r.generator, key)!r}: must be > 0 (ahead/watch.py)")
     if r.generator.device not in ("auto", "cpu") and not r.generator.device.startswith("cuda"):
         e.append(f"rollout.generator.device: {r.generator.device!r}: expected auto, cpu or cuda[:N]")
     if cfg.parallel.virtual_pipeline_model_parallel_size is not None:
