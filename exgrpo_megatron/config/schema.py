@@ -162,6 +162,7 @@ class DataConfig:
     num_val_examples: int = 64  # synthetic task only
     num_train_examples: int = 2048  # synthetic task only
     token_cache_dir: str = ".cache/tokenized_prompts"  # tokenised files cached here (data/token_cache.py); "" = off
+    max_unparsable_answers: float = 0.05  # refuse a data set with more gold answers Math-Verify cannot parse
     num_test_examples: int = 0  # synthetic task only: held-out test split (its own seed), read by the bench
     arithmetic_tiers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # synthetic task: tiers used
 

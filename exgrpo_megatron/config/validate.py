@@ -89,6 +89,8 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
         e.append("trainer.sft_warm_start_steps: the supervised warm start needs data.source=arithmetic")
     if not d.arithmetic_tiers or any(tier not in range(8) for tier in d.arithmetic_tiers):
         e.append(f"data.arithmetic_tiers: need a non-empty list of tiers from 0..7, got {d.arithmetic_tiers}")
+    if not 0 <= d.max_unparsable_answers <= 1:
+        e.append(f"data.max_unparsable_answers: {d.max_unparsable_answers!r}: a fraction of the rows, 0..1")
     if d.source == "files" and not d.train_files:
         e.append("data.train_files: empty; give parquet/JSONL files (tools/prepare_data.py makes them)")
     if d.tokenizer == "hf" and not m.hf_path:
