@@ -228,8 +228,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 _DATA = "the training prompts: the sampler's position and the pool's question ids refer to the saved data set"
-_UPDATES = ("optimizer updates per step: the LR schedule's progress (counted in updates) would no longer match "
-            "the step count")
+_BATCH = ("the batch, prompts per step and per optimizer update (the refusal says which, and what follows: "
+          "config/resume_changes.batch_change)")
 _POOL_BOUND = "which questions the pool keeps (the saved pool was filtered with the old bound)"
 # The keys a resume refuses to change (config/resume_changes.py) -> what they would change; allowed only when
 # listed in checkpoint.allow_config_change.
@@ -239,8 +239,8 @@ RESUME_REFUSED: dict[str, str] = {
     "rollout.n": "the group size K: the pool's k-of-K records and buckets were counted for the saved K",
     "trainer.replayable_correct_above": _POOL_BOUND, "trainer.replayable_correct_at_most": _POOL_BOUND,
     "trainer.exp_max_trajectories_per_question": "the cap the saved pool was filled under",
-    "trainer.train_batch_size": _UPDATES,
-    "trainer.ppo_mini_batch_size": _UPDATES,
+    "trainer.train_batch_size": _BATCH,
+    "trainer.ppo_mini_batch_size": _BATCH,
     "seed": "the prompt order and every step's sampling seed derive from it",
     "data.source": _DATA, "data.train_files": _DATA, "data.prompt_key": _DATA, "data.answer_key": _DATA,
     "data.template": _DATA, "data.tokenizer": _DATA, "data.max_prompt_length": _DATA, "data.shuffle": _DATA,
