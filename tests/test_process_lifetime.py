@@ -81,3 +81,27 @@ def test_forked_children_die_with_the_trainer(tmp_path):
         assert not _alive(writer), f"the forked writer {writer} outlived its trainer"
     finally:
         _kill(writer)
+
+
+def test_without_file_locks_a_recorded_holder_whose_pid_was_reused_is_stale(tmp_path):
+    """Filesystems without flock: the recorded pid alone would call a reused pid's new process the holder."""
+    import json
+    import socket
+
+    import pytest
+
+    from exgrpo_megatron.distributed.run_lock import RunDirError, _claim_without_flock, _process_start
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path = tmp_path / "run.lock"
+        live = {"pid": other.pid, "host": socket.gethostname(), "pid_start": _process_start(other.pid)}
+        path.write_text(json.dumps(live))
+        with open(path, "a+", encoding="utf-8") as fh, pytest.raises(RunDirError, match=f"pid {other.pid}"):
+            _claim_without_flock(fh, path)
+        path.write_text(json.dumps(live | {"pid_start": live["pid_start"] - 1}))  # that pid, another process
+        with open(path, "a+", encoding="utf-8") as fh:
+            _claim_without_flock(fh, path)  # old code: refused, the pid being alive
+    finally:
+        other.kill()
+        other.wait()

@@ -13,7 +13,8 @@ global rank 0 takes `<run_dir>/run.lock` before the process group, the model or 
 * the file says who holds it (pid, host, Slurm job, start time): a second launch exits with status 2 naming
   the holder;
 * where the filesystem has no working flock (ENOLCK / EOPNOTSUPP), the holder recorded in the file decides:
-  same host and its pid gone -> stale, taken over; otherwise refused.
+  same host and its process gone (its pid free, or reused by a process with another start time) -> stale, taken
+  over; otherwise refused.
 
 The run directory is checked first (config/paths.run_dir_problem: a writable directory, or creatable; exit 2,
 key `logging.run_dir`).
@@ -60,6 +61,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (/proc/<pid>/stat field 22); None where unknown. With the
+    pid it names one process: a pid reused by a later process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return int(fh.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _holder_alive(holder: dict[str, Any]) -> bool:
+    pid = int(holder.get("pid", -1))
+    if not _pid_alive(pid):
+        return False
+    recorded = holder.get("pid_start")
+    return recorded is None or _process_start(pid) in (None, recorded)
+
+
 def _read_holder(fh: IO[str]) -> dict[str, Any]:
     fh.seek(0)
     try:
@@ -71,7 +90,7 @@ def _read_holder(fh: IO[str]) -> dict[str, Any]:
 
 def _this_holder() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid_start": _process_start(os.getpid())}
 
 
 @dataclass(eq=False)
@@ -121,8 +140,8 @@ def _claim_without_flock(fh: IO[str], path: Path) -> None:
     holder = _read_holder(fh)
     if not holder or holder.get("pid") == os.getpid():
         return
-    if holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1))):
-        return  # stale: the holder on this host is gone
+    if holder.get("host") == socket.gethostname() and not _holder_alive(holder):
+        return  # stale: the holder on this host is gone (its pid is free, or taken by a later process)
     raise RunDirError(f"logging.run_dir: {path.parent} is in use by another trainer ({holder_text(holder)}); this "
                       f"filesystem has no file locks, so the holder cannot be checked from here: if it is gone, "
                       f"delete {path}")
