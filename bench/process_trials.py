@@ -187,7 +187,7 @@ def busy_port(h, work: Path, data: str) -> dict:
 SCENARIOS: dict[str, Callable] = {
     "trainer_killed_in_save": trainer_killed_in_save,
     "group_sigterm": _group_signal(signal.SIGTERM), "group_sigusr1": _group_signal(signal.SIGUSR1),
-    "generator_sigstop": _generator_fault(signal.SIGSTOP, "is stopped"),
+    "generator_sigstop": _generator_fault(signal.SIGSTOP, "is stopped (SIGSTOP"),
     "generator_sigkill": _generator_fault(signal.SIGKILL, "died (killed by SIGKILL)"),
     "parquet_empty": _bad_parquet("empty"), "parquet_garbage": _bad_parquet("garbage"),
     "parquet_no_answer": _bad_parquet("no_answer"), "busy_port": busy_port,

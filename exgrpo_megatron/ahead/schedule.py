@@ -144,15 +144,18 @@ class AheadGeneration:
         return self.planned.pop(step), payload[0]
 
     def _wait_for(self, step: int) -> RolloutResult:
+        """Rank 0: step `step`'s rollouts once they are here (an answer received before a failure still counts);
+        GeneratorFailed when the generator died, broke the link or missed its deadline first."""
         if step in self.restored:
             return self.restored.pop(step)
-        if self.failure is not None:
-            raise GeneratorFailed(self.failure)
         with self.ready:
-            while not self.ready.wait_for(lambda: step in self.results or self.error is not None, WATCH_SECONDS):
-                self._check_generator(step)
-            if self.error is not None:
-                self._check_generator(step, self.error)
+            while step not in self.results:
+                if self.failure is not None:
+                    raise GeneratorFailed(self.failure)
+                if self.error is not None:
+                    self._check_generator(step, self.error)
+                if not self.ready.wait_for(lambda: step in self.results or self.error is not None, WATCH_SECONDS):
+                    self._check_generator(step)
             return self.results.pop(step)
 
     def _check_generator(self, step: int, error: BaseException | None = None) -> None:
@@ -172,7 +175,7 @@ class AheadGeneration:
         else:
             return
         self.failure = (f"the generator process (pid {pid}) {why}, while step {step}'s rollouts were awaited; it is "
-                        f"stopped, the last whole step is saved and the run exits {EXIT_GENERATOR_FAILED} "
+                        f"killed, the last whole step is saved and the run exits {EXIT_GENERATOR_FAILED} "
                         "(a relaunch resumes and asks again for the rollouts in flight)")
         self.process.kill()
         raise GeneratorFailed(self.failure) from error
