@@ -261,7 +261,7 @@ def main() -> None:
     names = [] if args.max_staleness > 0 else names  # the scenarios are the colocated run's
     helpers = SimpleNamespace(launch=launch, reap=reap, metrics=metrics, same_final_state=same_final_state,
                               reference=reference)
-    for result in run_scenarios(names, helpers, work, data):
+    for result in run_scenarios(names, helpers, work, data, SCENARIOS):
         scenarios[:] = [s for s in scenarios if s["scenario"] != result["scenario"]] + [result]
         write_results()
     final = json.loads(results_path.read_text())["summary"] if results_path.exists() else summary(done, ref)

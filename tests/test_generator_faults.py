@@ -3,10 +3,10 @@ through the real training loop (tests/trainer_resume_worker.py, the tiny run of 
 
 * a SIGTERM to the whole process group (what Slurm sends) during training: the generator ignores it, the trainer
   finishes the step, saves, and exits 75;
-* the generator stopped (SIGSTOP): named as stopped once it misses its deadline (a few seconds here: the deadline
-  scales with the measured rounds), the last whole step saved, exit 4;
-* the generator killed (SIGKILL): named as killed by SIGKILL, the last whole step saved, exit 4; a relaunch resumes
-  and asks again for the rollouts that were in flight.
+* the generator stopped (SIGSTOP): named as stopped once it misses its deadline (10 s here: the deadline scales
+  with the measured rounds), the last whole step saved with the lost rollouts marked, exit 4;
+* the relaunch resumes, asks again for those rollouts and trains on them; its generator killed (SIGKILL): named as
+  killed by SIGKILL, the last whole step saved, exit 4.
 
 After each, no process of the run's session outlives the trainer.
 
@@ -29,7 +29,7 @@ from tests.test_generate_ahead import AHEAD
 from tests.test_trainer_resume import _launch, _overrides, _write_dataset
 
 RUN_TIMEOUT_S = 300
-FAST_DEADLINE = ("rollout.generator.deadline_min_seconds=4", "rollout.generator.deadline_factor=3")
+FAST_DEADLINE = ("rollout.generator.deadline_min_seconds=10", "rollout.generator.deadline_factor=5")
 
 
 def session_survivors(session: int) -> list[int]:
@@ -114,39 +114,35 @@ def test_a_group_sigterm_saves_and_exits_75(tmp_path):
     assert survivors == [], survivors
 
 
-def _fail_the_generator(tmp_path: Path, sig: signal.Signals) -> tuple[Path, str, int, int]:
-    run_dir, proc = _run(tmp_path, 40, *FAST_DEADLINE)
+def _fail_the_generator(tmp_path: Path, sig: signal.Signals, after_step: int, tag: str) -> tuple[Path, str]:
+    """Launch (or relaunch) the run, signal its generator once `after_step` steps are logged, expect exit 4."""
+    run_dir, proc = _run(tmp_path, 40, *FAST_DEADLINE, tag=tag)
     pid = generator_pid(proc.log_path, proc)  # type: ignore[attr-defined]
-    wait_for_step(run_dir, proc, 2)
+    wait_for_step(run_dir, proc, after_step)
     os.kill(pid, sig)
     started = time.monotonic()
     code, survivors = finish(proc, timeout=120)  # old code, SIGSTOP: waits for hours
     took = time.monotonic() - started
     log = proc.log_path.read_text()  # type: ignore[attr-defined]
-    assert code == EXIT_GENERATOR_FAILED, log[-4000:]
+    assert code == EXIT_GENERATOR_FAILED, log[-4000:]  # old code, SIGKILL: a traceback, exit 1
     assert f"the generator process (pid {pid})" in log, log[-4000:]
     assert survivors == [], survivors
     assert took < 90, took
-    return run_dir, log, pid, code
+    return run_dir, log
 
 
-def test_a_stopped_generator_is_named_once_it_misses_its_deadline(tmp_path):
-    run_dir, log, _pid, _code = _fail_the_generator(tmp_path, signal.SIGSTOP)
-    assert "is stopped (SIGSTOP" in log and "rollout.generator.deadline_factor=3" in log, log[-3000:]
-    (saved,) = _checkpoints(run_dir)  # the last whole step
-    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert saved == f"step_{logged[-1]:08d}"
+def _last_logged(run_dir: Path) -> int:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
 
 
-def test_a_killed_generator_is_named_and_the_relaunch_asks_again(tmp_path):
-    run_dir, log, _pid, _code = _fail_the_generator(tmp_path, signal.SIGKILL)
-    assert "died (killed by SIGKILL)" in log, log[-3000:]
-    (saved,) = _checkpoints(run_dir)
-    step = int(saved.removeprefix("step_"))
-    state = json.loads((run_dir / "checkpoints" / saved / "state" / "trainer_state.json").read_text())
-    assert [e["result"] for e in state["ahead"]["in_flight"]] == [None]  # the rollouts the generator took along
-    run_dir, proc = _run(tmp_path, step + 2, tag="resumed")
-    code, survivors = finish(proc)
-    resumed = proc.log_path.read_text()  # type: ignore[attr-defined]
-    assert code == 0 and f"at step {step}" in resumed, resumed[-3000:]
-    assert survivors == []
+def test_a_stopped_then_a_killed_generator_are_named_and_the_relaunch_asks_again(tmp_path):
+    run_dir, log = _fail_the_generator(tmp_path, signal.SIGSTOP, 2, "stopped")
+    assert "is stopped (SIGSTOP" in log and "rollout.generator.deadline_factor=5" in log, log[-3000:]
+    step = _last_logged(run_dir)
+    assert _checkpoints(run_dir) == [f"step_{step:08d}"]  # the last whole step
+    state = json.loads((run_dir / "checkpoints" / f"step_{step:08d}" / "state" / "trainer_state.json").read_text())
+    assert [e["result"] for e in state["ahead"]["in_flight"]] == [None]  # the rollouts the generator held
+
+    run_dir, log = _fail_the_generator(tmp_path, signal.SIGKILL, step + 1, "killed")  # trained on them, asked again
+    assert f"at step {step}" in log and "died (killed by SIGKILL)" in log, log[-3000:]
+    assert _last_logged(run_dir) > step
