@@ -88,8 +88,9 @@ def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset
                               template=d.template, max_prompt_length=d.max_prompt_length)
     train = cached_prompt_dataset(d.train_files, cache_dir=d.token_cache_dir, **kw)
     val = cached_prompt_dataset(d.val_files, cache_dir=d.token_cache_dir, **kw) if d.val_files else None
-    for dataset in (train, val) if val is not None else (train,):  # gold answers Math-Verify cannot parse
-        require_parsable_answers(dataset, d.max_unparsable_answers, cfg.reward.timeout_seconds)
+    for dataset, files in ((train, d.train_files), (val, d.val_files)):  # gold answers Math-Verify cannot parse
+        if dataset is not None:
+            require_parsable_answers(dataset, list(files), d.max_unparsable_answers, cfg.reward.timeout_seconds)
     return train, val
 
 

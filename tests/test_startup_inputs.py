@@ -92,9 +92,9 @@ def test_gold_answers_that_do_not_parse_are_counted_then_refused_above_the_thres
 
     answers = ["7", "\\frac{1}{2}", "[[[", "x^2+1", "$$", "42", "0.5", "\\sqrt{2}", "3", "[[["]
     dataset = _dataset_with_answers(tmp_path, answers)
-    check = require_parsable_answers(dataset, 0.5, timeout_seconds=5)  # 3 of 10: a warning
+    check = require_parsable_answers(dataset, ["rows.jsonl"], 0.5, timeout_seconds=5)  # 3 of 10: a warning
     assert check.unparsable == [(2, "[[["), (4, "$$"), (9, "[[[")]
     assert "3 of 10 rows" in caplog.text and "qid 2: '[[['" in caplog.text  # old code: no check, no word
     with pytest.raises(UnparsableAnswersError, match=r"data.max_unparsable_answers: 3 of 10 rows .* \(30.0%\)"):
-        require_parsable_answers(dataset, 0.05, timeout_seconds=5)
+        require_parsable_answers(dataset, ["rows.jsonl"], 0.05, timeout_seconds=5)
     assert issubclass(UnparsableAnswersError, DataFileError)  # exgrpo-train exits 2 on it, as on a bad data file

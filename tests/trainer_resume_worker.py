@@ -13,7 +13,7 @@ Environment: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (one process per rank
                             shard of checkpoint STEP is written: another writer filling the disk mid-save
 --kill-trainer-from-writer STEP
                             megatron's forked checkpoint writer of checkpoint STEP SIGKILLs the trainer, then keeps
-                            writing for 30 s: the trainer dies (OOM killer, kill -9) while its forked writer lives
+                            writing for 600 s: the trainer dies (OOM killer, kill -9) while its forked writer lives
 --make-init PATH            first write a weights-only checkpoint to PATH (TP=1/PP=1 only) that samples
                             "7" or <eos> most of the time (see digit_policy), and train from it
 --dump-pool-after-load      right after RunState.load, write this rank's pool state to
@@ -87,7 +87,7 @@ def install_kill_trainer_from_writer(step: int) -> None:
     def kill_then_write(transform_list, local_proc_idx, write_bucket, *args, **kwargs):
         if tmp_name in str(write_bucket[0]):
             os.kill(os.getppid(), signal.SIGKILL)
-            time.sleep(30)  # a slow disk: still writing when the trainer is gone
+            time.sleep(600)  # a slow disk, or hung on its queue: still there when the trainer is gone
         return real_write(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
 
     FileSystemWriterAsync.write_preloaded_data = staticmethod(kill_then_write)

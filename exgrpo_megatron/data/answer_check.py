@@ -8,7 +8,8 @@ At load every distinct answer is parsed once, exactly as the grader parses gold
 (`reward.scoring.gold_parses`); the rows whose answer does not parse are counted and the first few shown in a
 warning, and above `data.max_unparsable_answers` (a fraction of the kept rows) the run is refused at start-up
 (exit 2) naming the files, the count and examples. Parsing runs on the main thread (Math-Verify's timeouts use
-signal.alarm), with `reward.timeout_seconds`; a distinct answer costs milliseconds.
+signal.alarm), with `reward.timeout_seconds`, and a second try of RETRY_TIMEOUT_SECONDS for an answer that found
+nothing (a timeout looks the same); a distinct answer costs milliseconds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from exgrpo_megatron.data.datasets import DataFileError, PromptDataset
 
 logger = logging.getLogger(__name__)
 EXAMPLES = 5
+RETRY_TIMEOUT_SECONDS = 60  # a loaded machine can take seconds for the first parses (Math-Verify's lazy imports)
 
 
 class UnparsableAnswersError(DataFileError):
@@ -49,20 +51,21 @@ def check_answers(dataset: PromptDataset, timeout_seconds: int) -> AnswerCheck:
     bad: list[tuple[int, str]] = []
     for example in dataset:
         ok = parses.get(example.answer)
-        if ok is None:
-            ok = parses[example.answer] = gold_parses(example.answer, timeout_seconds)
+        if ok is None:  # a parse that timed out looks like one that found nothing: those get a second, long try
+            ok = gold_parses(example.answer, timeout_seconds) or gold_parses(example.answer, RETRY_TIMEOUT_SECONDS)
+            parses[example.answer] = ok
         if not ok:
             bad.append((example.qid, example.answer))
     return AnswerCheck(len(dataset), bad)
 
 
-def require_parsable_answers(dataset: PromptDataset, max_fraction: float, timeout_seconds: int) -> AnswerCheck:
-    """check_answers, then a warning when some answers do not parse and UnparsableAnswersError above
+def require_parsable_answers(dataset: PromptDataset, files: list[str], max_fraction: float,
+                             timeout_seconds: int) -> AnswerCheck:
+    """check_answers, then a warning when some answers of `files` do not parse and UnparsableAnswersError above
     `max_fraction` (data.max_unparsable_answers)."""
     check = check_answers(dataset, timeout_seconds)
     if not check.unparsable:
         return check
-    files = list(dataset.stats.files)
     if check.fraction > max_fraction:
         raise UnparsableAnswersError(f"data.max_unparsable_answers: {check.summary(files)}; this run allows "
                                      f"{max_fraction:.1%}. Fix the answers (data.answer_key names the column), or "
