@@ -46,6 +46,9 @@ def test_overrides_apply_and_defaults_follow_the_paper():
         (["trainer.replayable_correct_at_most=8"], "trainer.replayable_correct_at_most"),
         (["++parallel.pipeline_model_parallel_size=1", "++parallel.virtual_pipeline_model_parallel_size=2"],
          "parallel.virtual_pipeline_model_parallel_size"),
+        (["data.max_unparsable_answers=1.5"], "data.max_unparsable_answers"),
+        (["rollout.max_staleness=1", "algo.fresh_is_cap=2", "rollout.generator.deadline_factor=0"],
+         "rollout.generator.deadline_factor"),
     ],
 )
 def test_bad_values_name_the_key(overrides, key):
