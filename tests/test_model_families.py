@@ -103,3 +103,29 @@ def test_qwen3_8b_preset_parameter_count():
     total = count_parameters(model).total
     assert total == _reference_param_count(4096, 12288, 36, 32, 8, 128, 151936)
     assert total == pytest.approx(8.19e9, rel=0.005)  # the Qwen3-8B model card: 8.2B (6.95B non-embedding)
+
+
+def test_rope_scaling_on_a_family_without_it_is_refused_naming_the_key():
+    from exgrpo_megatron.config.schema import RootConfig
+    from exgrpo_megatron.config.validate import config_errors
+
+    for family, refused in (("qwen3", True), ("qwen2", True), ("llama", False)):
+        cfg = RootConfig(model=dataclasses.replace(tiny(family), rope_scaling_factor=8.0))
+        errors = [e for e in config_errors(cfg, 1) if e.startswith("model.rope_scaling_factor")]
+        assert bool(errors) == refused, (family, errors)
+
+
+def test_model_config_yaml_with_the_old_qkv_bias_key_loads_when_it_is_the_familys(tmp_path):
+    from exgrpo_megatron.convert.hf_config import UnsupportedArchitectureError, load_model_config, save_model_config
+
+    for family in ("qwen2", "qwen3"):
+        path = save_model_config(tiny(family), str(tmp_path))
+        text = open(path).read()
+        for saved in (True, False):
+            with open(path, "w") as f:
+                f.write(text + f"qkv_bias: {str(saved).lower()}\n")
+            if saved == FAMILIES[family].qkv_bias:
+                assert load_model_config(path) == tiny(family)
+            else:
+                with pytest.raises(UnsupportedArchitectureError, match="qkv_bias"):
+                    load_model_config(path)
