@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from exgrpo_megatron.config.derived import padded_vocab_size
+from exgrpo_megatron.config.derived import head_dim, padded_vocab_size
 from exgrpo_megatron.config.families import family_of
 from exgrpo_megatron.config.generation_split import DEFAULT_PHASE_TIMES, PhaseTimes, split_lines
 from exgrpo_megatron.config.schema import ModelConfig, RootConfig
@@ -66,10 +66,6 @@ class ParamCounts:
     def total(self) -> int:
         layers = self.num_layers * (self.per_layer_sharded + self.per_layer_replicated)
         return self.embedding + self.output_layer + layers + self.final_norm
-
-
-def head_dim(m: ModelConfig) -> int:
-    return m.kv_channels or m.hidden_size // m.num_attention_heads
 
 
 def count_parameters(m: ModelConfig, tp: int = 1) -> ParamCounts:

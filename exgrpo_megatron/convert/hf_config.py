@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from exgrpo_megatron.config.derived import head_dim
 from exgrpo_megatron.config.families import FAMILIES, MOE_HF_KEYS, ModelFamily, family_of
 from exgrpo_megatron.config.schema import ModelConfig
 
@@ -95,7 +96,7 @@ def model_config_from_hf(hf_config: dict[str, Any], hf_path: str | None = None) 
     family = FAMILIES[hf_config["model_type"]]
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
-    head_dim = hf_config.get("head_dim") or family.head_dim_default
+    dim = hf_config.get("head_dim") or family.head_dim_default
     theta, _ = _rope_dict(hf_config, family)
     return ModelConfig(
         name=os.path.basename(str(hf_config.get("_name_or_path") or hf_path or hf_config["model_type"]).rstrip("/")),
@@ -105,7 +106,7 @@ def model_config_from_hf(hf_config: dict[str, Any], hf_path: str | None = None) 
         ffn_hidden_size=int(hf_config["intermediate_size"]),
         num_attention_heads=heads,
         num_query_groups=int(hf_config.get("num_key_value_heads") or heads),
-        kv_channels=int(head_dim) if head_dim is not None and int(head_dim) != hidden // heads else None,
+        kv_channels=int(dim) if dim is not None and int(dim) != hidden // heads else None,
         vocab_size=int(hf_config["vocab_size"]),
         max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
         rope_theta=theta,
@@ -114,10 +115,6 @@ def model_config_from_hf(hf_config: dict[str, Any], hf_path: str | None = None) 
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", family.tie_word_embeddings_default)),
         hf_path=hf_path,
     )
-
-
-def head_dim(cfg: ModelConfig) -> int:
-    return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
 
 
 def hf_config_from_model_config(

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from exgrpo_megatron.config.derived import padded_vocab_size
+from exgrpo_megatron.config.derived import head_dim, padded_vocab_size
 from exgrpo_megatron.config.families import ModelFamily, family_of
 from exgrpo_megatron.config.schema import ModelConfig
-from exgrpo_megatron.convert.hf_config import UnsupportedArchitectureError, head_dim
+from exgrpo_megatron.convert.hf_config import UnsupportedArchitectureError
 from exgrpo_megatron.model.param_layout import (
     EMBEDDING,
     FINAL_NORM,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from exgrpo_megatron.config.derived import padded_vocab_size, resolve_params_dtype
+from exgrpo_megatron.config.derived import head_dim, padded_vocab_size, resolve_params_dtype
 from exgrpo_megatron.config.families import family_of
 from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
 
@@ -49,7 +49,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
         ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
-        kv_channels=cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads,
+        kv_channels=head_dim(cfg),
         normalization=family.normalization,
         layernorm_epsilon=cfg.rms_norm_eps,
         gated_linear_unit=True,
