@@ -129,3 +129,16 @@ def test_model_config_yaml_with_the_old_qkv_bias_key_loads_when_it_is_the_family
             else:
                 with pytest.raises(UnsupportedArchitectureError, match="qkv_bias"):
                     load_model_config(path)
+
+
+def test_a_checkpoint_of_another_family_is_refused_naming_the_family():
+    """Same shapes, other tensors (Qwen2's q/k/v biases vs Qwen3's QK-norms): not loadable into each other."""
+    from exgrpo_megatron.checkpoint.compat import (
+        IncompatibleCheckpointError,
+        check_model_compatible,
+        model_config_to_yaml,
+    )
+
+    check_model_compatible(model_config_to_yaml(tiny("qwen3")), tiny("qwen3"), "ckpt")
+    with pytest.raises(IncompatibleCheckpointError, match="family"):
+        check_model_compatible(model_config_to_yaml(tiny("qwen2")), tiny("qwen3"), "ckpt")
