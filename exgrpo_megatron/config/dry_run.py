@@ -296,17 +296,30 @@ def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
         f" per update and DP rank {seqs_per_update_rank} sequences in >= "
         f"{math.ceil(seqs_per_update_rank / seqs_per_micro)} micro-batch(es) of <= {t.micro_batch_max_tokens} tokens",
     ]
-    if replays:
-        n_exp = int(t.train_batch_size * t.experience_ratio)
-        start = (f"once batch pass rate > {t.delayed_start_pass_rate}" if t.delayed_start_pass_rate > 0
-                 else "from step 1 (delayed start disabled)")
-        lines.append(f"  experience replay: mixed phase {start}: up to {n_exp} replayed + "
-                     f"{t.train_batch_size - n_exp} fresh prompts (rho={t.experience_ratio}; "
-                     f"replayable iff {t.replayable_correct_above} < correct <= {t.replayable_correct_at_most} "
-                     f"of {r.n})")
-    else:
-        lines.append(f"  experience replay: off (on-policy {cfg.algo.name})")
-    return lines
+    return [*lines, f"  {replay_line(cfg, replays)}"]
+
+
+def replay_line(cfg: RootConfig, replays: bool) -> str:
+    """What the algorithm replays (the dry run and the start-up block); `replays`: it has an experience pool."""
+    t = cfg.trainer
+    if not replays:
+        return f"experience replay: off (on-policy {cfg.algo.name})"
+    n_exp = int(t.train_batch_size * t.experience_ratio)
+    start = (f"once batch pass rate > {t.delayed_start_pass_rate}" if t.delayed_start_pass_rate > 0
+             else "from step 1 (delayed start disabled)")
+    return (f"experience replay: mixed phase {start}: up to {n_exp} replayed + {t.train_batch_size - n_exp} fresh "
+            f"prompts (rho={t.experience_ratio}; replayable iff {t.replayable_correct_above} < correct <= "
+            f"{t.replayable_correct_at_most} of {cfg.rollout.n})")
+
+
+def generation_line(cfg: RootConfig) -> str:
+    """Where and when the rollouts are generated (the start-up block)."""
+    r = cfg.rollout
+    if r.max_staleness > 0:
+        return (f"rollouts: {r.engine} engine in its own process, generating {r.max_staleness} step(s) ahead of "
+                f"training (rollout.max_staleness={r.max_staleness}; fresh IS cap algo.fresh_is_cap="
+                f"{cfg.algo.fresh_is_cap})")
+    return f"rollouts: {r.engine} engine, generated within each step from the current weights"
 
 
 def _generation_lines(cfg: RootConfig, world_size: int, times: PhaseTimes) -> list[str]:
