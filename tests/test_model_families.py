@@ -142,3 +142,21 @@ def test_a_checkpoint_of_another_family_is_refused_naming_the_family():
     check_model_compatible(model_config_to_yaml(tiny("qwen3")), tiny("qwen3"), "ckpt")
     with pytest.raises(IncompatibleCheckpointError, match="family"):
         check_model_compatible(model_config_to_yaml(tiny("qwen2")), tiny("qwen3"), "ckpt")
+
+
+def test_qwen3_8b_memory_estimate_matches_formulas():
+    """The preset's plan (TP=2, sequence parallel, full recompute, distributed optimizer over DP=4), by hand: the
+    QK-norms' weights are replicated over TP, and their inputs (q and k) are kept per layer."""
+    from exgrpo_megatron.config.dry_run import estimate_memory
+
+    cfg = load_config("exgrpo_qwen3_8b")
+    est = estimate_memory(cfg, 8)
+    h, f, layers, vocab, q, kv = 4096.0, 12288.0, 36, 151936.0, 4096.0, 1024.0
+    sharded = h * (q + 2 * kv) + q * h + 3 * h * f
+    rank_params = layers * (sharded / 2 + 2 * h + 2 * 128) + 2 * vocab * h / 2 + h  # TP=2, PP=1, untied
+    assert est.weights == pytest.approx(2 * rank_params, rel=1e-9)
+    assert est.optimizer == pytest.approx(12 * rank_params / 4, rel=1e-9)
+    tokens = 32768.0
+    recompute = tokens * layers * h / 2 * 2 + tokens * (4 * h / 2 + (3 * q + 3 * kv + 3 * f) / 2) * 2
+    assert est.activations == pytest.approx(recompute + 2 * tokens * vocab / 2 * 2, rel=1e-6)
+    assert est.train_peak < 80 * 2**30 and est.generation_peak < 80 * 2**30

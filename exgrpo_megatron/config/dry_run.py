@@ -14,7 +14,8 @@ with flash attention and no dropout):
   the distributed optimizer;
 * activations of one micro-batch of `T = micro_batch_max_tokens / CP` tokens per rank, with `PP`
   micro-batches in flight on the first stage (1F1B): without recompute
-  `T x L/PP x (4h/(TP if SP) + (2q + 2kv + 3f)/TP) x 2 B`; with full recompute only each layer's input
+  `T x L/PP x (4h/(TP if SP) + (2q + 2kv + 3f)/TP) x 2 B`, with QK-norm `(3q + 3kv + 3f)/TP` (the norms also
+  keep their inputs); with full recompute only each layer's input
   `T x L/PP x h/(TP if SP) x 2 B` stays plus one layer recomputed; plus the vocab-parallel logits
   and their gradient, `2 x T x V/TP x 2 B` (the log-prob kernel chunks its fp32 buffers);
 * KV cache: megatron engine `max_batch_sequences x (prompt + response) x 2 x L/PP x G/TP x d x 2 B`;
@@ -153,7 +154,8 @@ def activation_bytes(cfg: RootConfig, recompute: bool) -> int:
     q_dim, kv_dim = m.num_attention_heads * d, m.num_query_groups * d
     tokens = cfg.trainer.micro_batch_max_tokens // cp
     nbytes = param_bytes(m)
-    layer_elems = 4 * h / sp_div + (2 * q_dim + 2 * kv_dim + 3 * f) / tp
+    qk = 3 if family_of(m.family).qk_norm else 2
+    layer_elems = 4 * h / sp_div + (qk * q_dim + qk * kv_dim + 3 * f) / tp
     layers_in_flight = (m.num_layers // pp) * pp
     if recompute:
         stored = tokens * layers_in_flight * h / sp_div * nbytes + tokens * layer_elems * nbytes
