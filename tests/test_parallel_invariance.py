@@ -1,6 +1,7 @@
 """Forward loss, every parameter's gradient, and one optimizer step agree between TP=1 and
-TP=2 / PP=2 / DP=2 for a tiny Qwen2 and a tiny Llama (spawned gloo ranks), in fp32 (to fp32 rounding) and in bf16
-(the CPU's bf16 path: bf16 model, fp32 main params, gradients and Adam state; to bf16 rounding)."""
+TP=2 / PP=2 / DP=2 for a tiny Qwen2, a tiny Llama and a tiny Qwen3 (QK-norm, whose weights each TP rank sees only
+its heads of; spawned gloo ranks), in fp32 (to fp32 rounding) and in bf16 (the CPU's bf16 path: bf16 model, fp32
+main params, gradients and Adam state; to bf16 rounding)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from exgrpo_megatron.config.loader import load_config
 from tests.helpers.gather import full_tensors, load_full_tensors
 from tests.helpers.multirank import run_on_ranks
 
-FAMILIES = ("tiny_qwen2", "tiny_llama")
+FAMILIES = ("tiny_qwen2", "tiny_llama", "tiny_qwen3")
 
 
 def _batch():

@@ -1,4 +1,4 @@
-"""Convert a HuggingFace Qwen2/Llama directory to a megatron torch_dist checkpoint (run layout).
+"""Convert a HuggingFace Qwen2 / Llama / Qwen3 directory to a megatron torch_dist checkpoint (run layout).
 
     python tools/convert_hf_to_megatron.py HF_DIR OUT_DIR [--tp N] [--pp N] [--dtype auto|fp32|bf16]
 

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def head_dim(m: ModelConfig) -> int:
+    """Each attention head's size: `model.kv_channels`, or hidden_size / num_attention_heads when it is null."""
+    return m.kv_channels or m.hidden_size // m.num_attention_heads
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int = 1) -> int:
     """The vocabulary padded to a multiple of `divisible_by`. Unlike Megatron-LM (which pads to
     divisible_by x TP) the padding does not depend on TP, so a model is the same function at

@@ -14,7 +14,8 @@ with flash attention and no dropout):
   the distributed optimizer;
 * activations of one micro-batch of `T = micro_batch_max_tokens / CP` tokens per rank, with `PP`
   micro-batches in flight on the first stage (1F1B): without recompute
-  `T x L/PP x (4h/(TP if SP) + (2q + 2kv + 3f)/TP) x 2 B`; with full recompute only each layer's input
+  `T x L/PP x (4h/(TP if SP) + (2q + 2kv + 3f)/TP) x 2 B`, with QK-norm `(3q + 3kv + 3f)/TP` (the norms also
+  keep their inputs); with full recompute only each layer's input
   `T x L/PP x h/(TP if SP) x 2 B` stays plus one layer recomputed; plus the vocab-parallel logits
   and their gradient, `2 x T x V/TP x 2 B` (the log-prob kernel chunks its fp32 buffers);
 * KV cache: megatron engine `max_batch_sequences x (prompt + response) x 2 x L/PP x G/TP x d x 2 B`;
@@ -38,7 +39,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from exgrpo_megatron.config.derived import padded_vocab_size
+from exgrpo_megatron.config.derived import head_dim, padded_vocab_size
+from exgrpo_megatron.config.families import family_of
 from exgrpo_megatron.config.generation_split import DEFAULT_PHASE_TIMES, PhaseTimes, split_lines
 from exgrpo_megatron.config.schema import ModelConfig, RootConfig
 
@@ -57,7 +59,7 @@ class ParamCounts:
     embedding: int
     output_layer: int  # 0 when the word embeddings are tied
     per_layer_sharded: int  # QKV (+bias), o_proj, fc1 (gate+up), fc2: split over TP
-    per_layer_replicated: int  # the two RMSNorm weights: replicated over TP
+    per_layer_replicated: int  # the two RMSNorm weights (+ the QK-norms): replicated over TP
     final_norm: int
     num_layers: int
 
@@ -67,24 +69,22 @@ class ParamCounts:
         return self.embedding + self.output_layer + layers + self.final_norm
 
 
-def head_dim(m: ModelConfig) -> int:
-    return m.kv_channels or m.hidden_size // m.num_attention_heads
-
-
 def count_parameters(m: ModelConfig, tp: int = 1) -> ParamCounts:
-    """embedding V x h; per layer: QKV h x (q + 2kv) (+ q + 2kv bias if qkv_bias), o_proj q x h,
-    SwiGLU fc1 h x 2f and fc2 f x h, two norms of h; final norm h; output V x h unless tied."""
+    """embedding V x h; per layer: QKV h x (q + 2kv) (+ q + 2kv bias if the family has it), o_proj q x h,
+    SwiGLU fc1 h x 2f and fc2 f x h, two norms of h (+ q and k norms of d each with QK-norm); final norm h;
+    output V x h unless tied."""
+    family = family_of(m.family)
     d = head_dim(m)
     q_dim, kv_dim = m.num_attention_heads * d, m.num_query_groups * d
     h, f = m.hidden_size, m.ffn_hidden_size
-    qkv = h * (q_dim + 2 * kv_dim) + ((q_dim + 2 * kv_dim) if m.qkv_bias else 0)
+    qkv = h * (q_dim + 2 * kv_dim) + ((q_dim + 2 * kv_dim) if family.qkv_bias else 0)
     sharded = qkv + q_dim * h + h * 2 * f + f * h
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     return ParamCounts(
         embedding=vocab * h,
         output_layer=0 if m.tie_word_embeddings else vocab * h,
         per_layer_sharded=sharded,
-        per_layer_replicated=2 * h,
+        per_layer_replicated=2 * h + (2 * d if family.qk_norm else 0),
         final_norm=h,
         num_layers=m.num_layers,
     )
@@ -154,7 +154,8 @@ def activation_bytes(cfg: RootConfig, recompute: bool) -> int:
     q_dim, kv_dim = m.num_attention_heads * d, m.num_query_groups * d
     tokens = cfg.trainer.micro_batch_max_tokens // cp
     nbytes = param_bytes(m)
-    layer_elems = 4 * h / sp_div + (2 * q_dim + 2 * kv_dim + 3 * f) / tp
+    qk = 3 if family_of(m.family).qk_norm else 2
+    layer_elems = 4 * h / sp_div + (qk * q_dim + qk * kv_dim + 3 * f) / tp
     layers_in_flight = (m.num_layers // pp) * pp
     if recompute:
         stored = tokens * layers_in_flight * h / sp_div * nbytes + tokens * layer_elems * nbytes
@@ -216,11 +217,13 @@ def _layout_lines(cfg: RootConfig, world_size: int) -> list[str]:
 def _model_lines(cfg: RootConfig) -> list[str]:
     m, tp, pp = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     counts = count_parameters(m, tp)
+    family = family_of(m.family)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     return [
         f"model {m.name} ({m.family}): {counts.total:,} parameters ({counts.total:.4g})",
         f"  {m.num_layers} layers x {counts.per_layer_sharded + counts.per_layer_replicated:,} "
-        f"(QKV{'+bias' if m.qkv_bias else ''} with {m.num_query_groups} KV groups, o_proj, SwiGLU fc1/fc2, 2 norms)"
+        f"(QKV{'+bias' if family.qkv_bias else ''} with {m.num_query_groups} KV groups"
+        f"{', QK-norm' if family.qk_norm else ''}, o_proj, SwiGLU fc1/fc2, 2 norms)"
         f" + embedding {counts.embedding:,} (padded vocab {vocab:,})"
         f" + output {'tied' if m.tie_word_embeddings else f'{counts.output_layer:,}'} + final norm",
         f"  per GPU (most loaded rank): {params_per_rank(counts, tp, pp):,} parameters",

@@ -1,4 +1,4 @@
-"""HF Qwen2/Llama safetensors directory -> megatron torch_dist checkpoint in the run layout.
+"""HF safetensors directory (any family of config/families.py) -> megatron torch_dist checkpoint in the run layout.
 
 Output: `<out>/model/` (dist checkpoint of the "model" key only, TP=1 layout that megatron reshards to any
 TP/PP on load), `<out>/model_config.yaml` and, written last, `<out>/manifest.json` (size + sha256 of every file:

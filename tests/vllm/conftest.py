@@ -19,3 +19,10 @@ def tiny_hf_dir(tmp_path_factory) -> str:
     from tests.vllm.engines import tiny_model_config, write_tiny_hf_dir
 
     return write_tiny_hf_dir(str(tmp_path_factory.mktemp("tiny_hf")), tiny_model_config())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_hf_dir(tmp_path_factory) -> str:
+    from tests.vllm.engines import tiny_model_config, write_tiny_hf_dir
+
+    return write_tiny_hf_dir(str(tmp_path_factory.mktemp("tiny_qwen3_hf")), tiny_model_config(family="qwen3"))

@@ -14,10 +14,12 @@ from exgrpo_megatron.config.schema import ModelConfig, VllmConfig
 TEST_VLLM = VllmConfig(gpu_memory_utilization=0.05, enforce_eager=True, dtype="auto", max_model_len=96)
 
 
-def tiny_model_config(tp: int = 1, params_dtype: str = "fp32") -> ModelConfig:
-    return ModelConfig(name="tiny_qwen2", family="qwen2", num_layers=2, hidden_size=128, ffn_hidden_size=256,
-                       num_attention_heads=2, num_query_groups=2, vocab_size=103, make_vocab_size_divisible_by=64,
-                       max_position_embeddings=128, params_dtype=params_dtype, layer_spec="local")
+def tiny_model_config(tp: int = 1, params_dtype: str = "fp32", family: str = "qwen2") -> ModelConfig:
+    """Qwen2 (QKV bias), or Qwen3 (QK-norm, head dim 32 != hidden / heads = 64)."""
+    return ModelConfig(name=f"tiny_{family}", family=family, num_layers=2, hidden_size=128, ffn_hidden_size=256,
+                       num_attention_heads=2, num_query_groups=2, kv_channels=32 if family == "qwen3" else None,
+                       vocab_size=103, make_vocab_size_divisible_by=64, max_position_embeddings=128,
+                       params_dtype=params_dtype, layer_spec="local")
 
 
 def write_tiny_hf_dir(path: str, cfg: ModelConfig) -> str:

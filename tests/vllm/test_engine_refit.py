@@ -1,7 +1,8 @@
 """Refit: after the policy's weights change, vLLM (built by the production factory, fp32, CPU build)
 generates from the new weights: greedy tokens equal the megatron engine's, and the log-probs vLLM reports
 for its sampled tokens equal the policy's recomputed ones (the trainer's old log-probs) to <= 1e-4.
-At TP=1, TP=2 (external_launcher, 2 gloo ranks) and PP=2. In bf16 (the policy's parameters and so vLLM's, the
+At TP=1, TP=2 (external_launcher, 2 gloo ranks) and PP=2, for Qwen2 and for Qwen3 (QK-norm: vLLM's own Qwen3 model
+loads the q_norm / k_norm the refit streams). In bf16 (the policy's parameters and so vLLM's, the
 CPU's best precision for a large model): the refit reaches vLLM, and its log-probs agree with the bf16 trainer's
 to bf16 rounding (mean and max bounds below, and the mismatch ratio the trainer logs)."""
 
@@ -16,7 +17,7 @@ BF16_MEAN_TOL, BF16_MAX_TOL = 0.02, 0.25  # |logp_vllm - logp_trainer| per token
 PROMPTS = ["12+3=", "What is 7*8?", "<think>", "a"]
 
 
-def refit_case(tp: int, pp: int, hf_dir: str, dtype: str = "fp32") -> dict:
+def refit_case(tp: int, pp: int, hf_dir: str, dtype: str = "fp32", family: str = "qwen2") -> dict:
     import torch
 
     from exgrpo_megatron.config.schema import DataConfig, ParallelConfig, RootConfig, TrainerConfig
@@ -31,7 +32,7 @@ def refit_case(tp: int, pp: int, hf_dir: str, dtype: str = "fp32") -> dict:
 
     init_distributed(tp, pp, seed=3)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    cfg = RootConfig(model=tiny_model_config(params_dtype=dtype), parallel=parallel,
+    cfg = RootConfig(model=tiny_model_config(params_dtype=dtype, family=family), parallel=parallel,
                      trainer=TrainerConfig(micro_batch_max_tokens=256, total_steps=1, train_batch_size=1,
                                            ppo_mini_batch_size=1),
                      data=DataConfig(tokenizer="char", max_prompt_length=32, max_response_length=24))
@@ -92,6 +93,13 @@ def test_refit_two_ranks(tiny_hf_dir, tp, pp):
     for result in results:
         _check(result)
     assert results[0]["vllm_greedy"] == results[1]["vllm_greedy"]
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_refit_qwen3(tiny_qwen3_hf_dir, tp):
+    results = run_on_ranks(refit_case, world_size=tp, args=(tp, 1, tiny_qwen3_hf_dir, "fp32", "qwen3"))
+    for result in results:
+        _check(result)
 
 
 def test_refit_bf16_tp1(tiny_hf_dir):
