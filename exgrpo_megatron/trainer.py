@@ -251,7 +251,9 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None) -
     preemption = preemption or PreemptionHandler().install(startup=True)
     p = cfg.parallel
     layout = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                              p.virtual_pipeline_model_parallel_size, p.context_parallel_size, seed=cfg.seed)
+                              p.virtual_pipeline_model_parallel_size, p.context_parallel_size, seed=cfg.seed,
+                              expert_model_parallel_size=p.expert_model_parallel_size,
+                              expert_tensor_parallel_size=p.expert_tensor_parallel_size)
     if layout.rank == 0:
         print(startup_block(cfg, layout), flush=True)
     c = build_components(cfg, layout)

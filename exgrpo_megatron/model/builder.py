@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from exgrpo_megatron.config.derived import padded_vocab_size, resolve_params_dtype
 from exgrpo_megatron.config.schema import CHOICES, ModelConfig, ParallelConfig
+from exgrpo_megatron.model.moe import is_moe, moe_transformer_config, per_micro_batch_router_losses
 
 
 def transformer_engine_available() -> bool:
@@ -50,6 +51,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=qk_layernorm(cfg),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
@@ -77,7 +79,13 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
         recompute_num_layers=1 if cfg.recompute_activations else None,
         # Loss is a global token sum we normalise ourselves (algo/aggregation.py).
         calculate_per_token_loss=True,
+        **moe_transformer_config(cfg, parallel),
     )
+
+
+def qk_layernorm(cfg: ModelConfig) -> bool:
+    """RMSNorm on each head's query and key before RoPE (Qwen3)."""
+    return cfg.family == "qwen3_moe"
 
 
 def layer_spec(cfg: ModelConfig, tcfg=None, vp_stage: int | None = None):
@@ -86,9 +94,10 @@ def layer_spec(cfg: ModelConfig, tcfg=None, vp_stage: int | None = None):
     this pipeline stage, which needs the stage's `tcfg`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    moe = {"num_experts": cfg.num_experts if is_moe(cfg) else None, "qk_layernorm": qk_layernorm(cfg)}
     if resolve_layer_spec(cfg) == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=cfg.moe_grouped_gemm, **moe)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
     if cfg.core_attention == "sdpa":
         from exgrpo_megatron.model.sdpa_attention import SDPADotProductAttention
 
@@ -140,6 +149,7 @@ def build_gpt_model(
         rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+    per_micro_batch_router_losses(model)
     # The local spec's torch norms are created in fp32 whatever params_dtype says; a bf16 model with fp32 norms
     # breaks megatron's Float16 optimizer, whose checkpoint maps state to params assuming every one is 16-bit.
     for p in model.parameters():

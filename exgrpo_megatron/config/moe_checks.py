@@ -1,0 +1,56 @@
+"""Start-up checks of a mixture-of-experts configuration (model/moe.py): the expert layout megatron-core can build
+from the world size, and the MoE keys' relations to the rest of the config. Each error names its key."""
+
+from __future__ import annotations
+
+from exgrpo_megatron.config.schema import RootConfig
+
+
+def moe_config_errors(cfg: RootConfig, world_size: int) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    ep, etp, tp, pp = (p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.tensor_model_parallel_size,
+                       p.pipeline_model_parallel_size)
+    e: list[str] = []
+    if m.num_experts <= 0:
+        if ep > 1 or etp > 1:
+            e.append(f"parallel.expert_model_parallel_size: EP={ep}, ETP={etp} needs a mixture-of-experts model "
+                     "(model.num_experts > 0)")
+        if m.moe_routing_replay:
+            e.append("model.moe_routing_replay: needs a mixture-of-experts model (model.num_experts > 0)")
+        if m.family == "qwen3_moe":
+            e.append("model.num_experts: model.family=qwen3_moe needs num_experts > 0")
+        return e
+    if m.moe_router_topk > m.num_experts:
+        e.append(f"model.moe_router_topk: {m.moe_router_topk} experts per token but model.num_experts={m.num_experts}")
+    if ep > 0 and m.num_experts % ep:
+        e.append(f"parallel.expert_model_parallel_size: EP={ep} does not divide model.num_experts={m.num_experts} "
+                 "(each EP rank holds num_experts / EP whole experts)")
+    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    if etp > 0 and ffn % etp:
+        e.append(f"parallel.expert_tensor_parallel_size: ETP={etp} does not divide the expert width {ffn} "
+                 "(model.moe_ffn_hidden_size)")
+    experts_grid = ep * etp * pp
+    if experts_grid > 0 and world_size % experts_grid:
+        e.append(f"parallel.expert_model_parallel_size: world size {world_size} is not divisible by "
+                 f"EP x ETP x PP = {ep} x {etp} x {pp} (megatron-core's expert grid)")
+    if ep > 1 and tp > 1 and not p.sequence_parallel:
+        e.append("parallel.sequence_parallel: megatron-core needs sequence parallelism with expert and tensor "
+                 "parallelism together (EP > 1 and TP > 1)")
+    if ep > 1 and m.moe_token_dispatcher == "allgather":
+        e.append("model.moe_token_dispatcher: allgather needs the same token count on every EP rank; with EP > 1 "
+                 "our micro-batches differ in length between ranks: use alltoall (or flex on GPU)")
+    if m.moe_grouped_gemm and m.layer_spec == "local":
+        e.append("model.moe_grouped_gemm: grouped GEMM experts need the Transformer Engine spec (model.layer_spec "
+                 "te or auto on GPU); the local spec runs the experts one by one")
+    if m.moe_token_dispatcher == "flex" and m.layer_spec == "local":
+        e.append("model.moe_token_dispatcher: flex (DeepEP) runs on GPU with the Transformer Engine spec")
+    if m.family not in ("qwen3_moe",):
+        e.append(f"model.num_experts: model.family={m.family} is a dense family; mixture-of-experts models are "
+                 "family qwen3_moe")
+    if m.moe_routing_replay and cfg.rollout.engine != "megatron":
+        e.append(f"model.moe_routing_replay: needs the rollout's expert choices, recorded by rollout.engine=megatron "
+                 f"(the {cfg.rollout.engine} engine does not return them)")
+    if m.moe_routing_replay and m.recompute_activations and pp > 1:
+        e.append("model.moe_routing_replay: with model.recompute_activations and pipeline parallelism a layer's "
+                 "recompute runs after later micro-batches' forwards, whose routing it would replay")
+    return e
