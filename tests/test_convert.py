@@ -1,15 +1,16 @@
-"""HF <-> Megatron conversion: mapping units, logits equality at TP=1/TP=2/PP=2, exact round trip, errors.
+"""HF <-> Megatron conversion for every family: mapping units, logits equality at TP=1/TP=2/PP=2, exact round
+trip, errors.
 
-One spawned 2-rank gloo job (module fixture) loads the converted tiny Qwen2 and Llama checkpoints at
-TP=1, TP=2 and PP=2 with megatron's own dist_checkpointing, and also saves a TP=2 megatron model for
-the Megatron -> HF direction; the individual tests assert on its results.
+One spawned 2-rank gloo job (module fixture) loads the converted tiny Qwen2, Llama and Qwen3 checkpoints (each
+built by transformers' own model class) at TP=1, TP=2 and PP=2 with megatron's own dist_checkpointing, and also
+saves megatron models for the Megatron -> HF direction (Qwen2 at TP=2, Qwen3 at PP=2); the individual tests
+assert on its results.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import pytest
 import torch
@@ -24,39 +25,13 @@ from exgrpo_megatron.convert.hf_config import (
 )
 from exgrpo_megatron.convert.hf_mapping import hf_to_megatron, megatron_to_hf
 from exgrpo_megatron.model.param_layout import EMBEDDING, merge_from_tp, split_for_tp
+from tests.helpers.hf_families import make_hf_model
+from tests.helpers.hf_families import perturb as _perturb
 from tests.helpers.multirank import run_on_ranks
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
+FAMILIES = ["qwen2", "llama", "qwen3"]
 SEQ = 12
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """Random values everywhere (norm weights and biases too), so a mis-mapped tensor changes the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-
-
-def make_hf_model(family: str, out_dir: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    shape: dict[str, Any] = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)
-    model: Any
-    if family == "qwen2":
-        extra: dict[str, Any] = {"rope_theta": 1e6, "rms_norm_eps": 1e-6}
-        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False, max_position_embeddings=256, **extra))
-    else:
-        llama3: dict[str, Any] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        extra = {"rms_norm_eps": 1e-5, "rope_scaling": llama3, "rope_theta": 500000.0}
-        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True, max_position_embeddings=16384, **extra))
-    model = model.float().eval()
-    _perturb(model, 1)
-    model.save_pretrained(out_dir)
-    return model
 
 
 def _tokens(vocab: int) -> torch.Tensor:
@@ -111,12 +86,27 @@ def _check_shards(model, cfg: ModelConfig, ckpt_dir: str) -> int:
     return checked
 
 
-def _megatron_worker(ckpts: dict, tokens: dict, save_root: str, src_cfg: ModelConfig):
+def _save_run_checkpoint(model, cfg: ModelConfig, save_root: str) -> None:
+    """`model` as a run's checkpoints dir: <save_root>/step_00000003/{model/, model_config.yaml} + `latest`."""
+    from megatron.core import dist_checkpointing
+
+    from exgrpo_megatron.distributed.runtime import current_layout
+
+    step_dir = os.path.join(save_root, "step_00000003")
+    os.makedirs(os.path.join(step_dir, "model"), exist_ok=True)
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, os.path.join(step_dir, "model"))
+    if current_layout().rank == 0:
+        save_model_config(cfg, step_dir)
+        with open(os.path.join(save_root, "latest"), "w") as f:
+            f.write("step_00000003")
+
+
+def _megatron_worker(ckpts: dict, tokens: dict, saves: dict):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     from exgrpo_megatron.convert.hf_config import load_model_config
-    from exgrpo_megatron.distributed.runtime import current_layout, init_distributed
+    from exgrpo_megatron.distributed.runtime import init_distributed
 
     out: dict = {}
     for tp, pp in LAYOUTS:
@@ -130,19 +120,14 @@ def _megatron_worker(ckpts: dict, tokens: dict, save_root: str, src_cfg: ModelCo
             out[(case, tp, pp, "checked")] = _check_shards(model, cfg, ckpt_dir)
             out[(case, tp, pp)] = _forward_logits(model, tokens[case], cfg.vocab_size)
         ps.destroy_model_parallel()
-    # A TP=2 megatron model saved in the run layout, for the Megatron -> HF direction.
-    layout = init_distributed(2, 1, seed=11)
-    model = _build(src_cfg, 2, 1).eval()
-    _perturb(model, 3)
-    step_dir = os.path.join(save_root, "step_00000003")
-    os.makedirs(os.path.join(step_dir, "model"), exist_ok=True)
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, os.path.join(step_dir, "model"))
-    if current_layout().rank == 0:
-        save_model_config(src_cfg, step_dir)
-        with open(os.path.join(save_root, "latest"), "w") as f:
-            f.write("step_00000003")
-    out["saved_tp2"] = _forward_logits(model, tokens["saved"], src_cfg.vocab_size)
-    out["rank"] = layout.rank
+    # Megatron models saved in the run layout at TP=2 or PP=2, for the Megatron -> HF direction.
+    for case, (src_cfg, tp, pp, save_root) in saves.items():
+        out["rank"] = init_distributed(tp, pp, seed=11).rank
+        model = _build(src_cfg, tp, pp).eval()
+        _perturb(model, 3)
+        _save_run_checkpoint(model, src_cfg, save_root)
+        out[case] = _forward_logits(model, tokens[case], src_cfg.vocab_size)
+        ps.destroy_model_parallel()
     return out
 
 
@@ -152,7 +137,7 @@ def converted(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("convert")
     hf_models, ckpts, tokens = {}, {}, {}
-    for family in ("qwen2", "llama"):
+    for family in FAMILIES:
         hf_dir = str(root / f"hf_{family}")
         hf_models[family] = make_hf_model(family, hf_dir)
         ckpts[family] = str(root / f"mg_{family}")
@@ -160,19 +145,25 @@ def converted(tmp_path_factory):
         tokens[family] = _tokens(200)
     # vocab 100 padded to 128 at TP=2 (divisible_by 32): the export must trim the padding rows.
     src_cfg = ModelConfig(family="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                          num_query_groups=2, vocab_size=100, make_vocab_size_divisible_by=32, qkv_bias=True,
+                          num_query_groups=2, vocab_size=100, make_vocab_size_divisible_by=32,
                           tie_word_embeddings=False, params_dtype="fp32", layer_spec="local", rope_theta=10000.0)
-    tokens["saved"] = _tokens(100)
-    save_root = str(root / "run_checkpoints")
-    results = run_on_ranks(_megatron_worker, 2, args=(ckpts, tokens, save_root, src_cfg))
+    qwen3_cfg = ModelConfig(family="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                            num_query_groups=2, kv_channels=32, vocab_size=100, make_vocab_size_divisible_by=32,
+                            tie_word_embeddings=False, params_dtype="fp32", layer_spec="local", rope_theta=1e6)
+    saves = {"saved_tp2": (src_cfg, 2, 1, str(root / "run_checkpoints")),
+             "saved_qwen3_pp2": (qwen3_cfg, 1, 2, str(root / "run_checkpoints_qwen3"))}
+    for case in saves:
+        tokens[case] = _tokens(100)
+    results = run_on_ranks(_megatron_worker, 2, args=(ckpts, tokens, saves))
     merged: dict = {}
     for r in results:
         merged.update({k: v for k, v in r.items() if v is not None and k != "rank"})
-    return dict(root=root, hf=hf_models, ckpts=ckpts, tokens=tokens, mg=merged, save_root=save_root)
+    return dict(root=root, hf=hf_models, ckpts=ckpts, tokens=tokens, mg=merged,
+                save_roots={case: save[3] for case, save in saves.items()})
 
 
 # ---------------------------------------------------------------- tests
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"tp{x[0]}pp{x[1]}")
 def test_hf_to_megatron_logits_match_hf(converted, family, layout):
     with torch.no_grad():
@@ -183,22 +174,25 @@ def test_hf_to_megatron_logits_match_hf(converted, family, layout):
     assert converted["mg"][(family, *layout, "checked")] >= 6  # every local parameter vs split_for_tp
 
 
-def test_megatron_tp2_to_hf_from_pretrained(converted, tmp_path):
+@pytest.mark.parametrize("case,hf_class", [("saved_tp2", "Qwen2ForCausalLM"), ("saved_qwen3_pp2", "Qwen3ForCausalLM")])
+def test_megatron_tp2_pp2_to_hf_from_pretrained(converted, tmp_path, case, hf_class):
     from transformers import AutoModelForCausalLM
 
     from exgrpo_megatron.convert.megatron_to_hf import convert_megatron_to_hf
 
     out = str(tmp_path / "hf_out")
-    convert_megatron_to_hf(converted["save_root"], out, dtype="fp32", shard_size_gb=40_000 / 2**30, progress=False)
+    convert_megatron_to_hf(converted["save_roots"][case], out, dtype="fp32", shard_size_gb=40_000 / 2**30,
+                           progress=False)
     assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))  # several small shards
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == hf_class
     assert model.get_input_embeddings().weight.shape[0] == 100  # padding trimmed
     with torch.no_grad():
-        logits = model(converted["tokens"]["saved"]).logits
-    assert (logits - converted["mg"]["saved_tp2"]).abs().max().item() <= 1e-5
+        logits = model(converted["tokens"][case]).logits
+    assert (logits - converted["mg"][case]).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_hf_megatron_hf_is_exact(converted, family, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -237,6 +231,10 @@ BASE_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_
     (dict(num_local_experts=8), "mixture-of-experts"),
     (dict(model_type="qwen2", use_sliding_window=True, max_window_layers=1), "sliding-window"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "linear"),
+    (dict(model_type="qwen3", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+     "unsupported for qwen3"),
+    (dict(model_type="qwen3", attention_bias=True), "o_proj"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 4096}), "original_max_position_embeddings"),
 ])
@@ -250,8 +248,20 @@ def test_config_translation_round_trip():
           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 8192}}
     cfg = model_config_from_hf(hf)
-    assert (cfg.kv_channels, cfg.rope_scaling_factor, cfg.num_query_groups, cfg.qkv_bias) == (32, 8.0, 2, False)
+    assert (cfg.kv_channels, cfg.rope_scaling_factor, cfg.num_query_groups) == (32, 8.0, 2)
     assert model_config_from_hf(hf_config_from_model_config(cfg)) == cfg
+
+
+def test_qwen3_config_translation_and_defaults():
+    """Qwen3's config class defaults head_dim to 128 (not hidden / heads): a config.json without it means 128."""
+    hf = {**BASE_LLAMA, "model_type": "qwen3", "hidden_size": 256, "num_attention_heads": 4}
+    cfg = model_config_from_hf(hf)
+    assert (cfg.family, cfg.kv_channels, cfg.rope_theta) == ("qwen3", 128, 10000.0)
+    out = hf_config_from_model_config(cfg)
+    assert (out["architectures"], out["head_dim"], out["attention_bias"]) == (["Qwen3ForCausalLM"], 128, False)
+    assert model_config_from_hf(out) == cfg
+    with pytest.raises(UnsupportedArchitectureError, match="qwen3"):  # the MoE family is not this one
+        model_config_from_hf({**hf, "num_experts": 8})
 
 
 # ---------------------------------------------------------------- pure mapping units

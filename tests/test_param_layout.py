@@ -23,7 +23,7 @@ BUCKET_BYTES = 16 * 1024
 def _cfg(tied: bool) -> ModelConfig:
     # vocab 100 -> padded 128 (divisible by 64), so the export must trim padding rows at every layout
     return ModelConfig(family="qwen2", num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                       num_query_groups=2, vocab_size=100, make_vocab_size_divisible_by=64, qkv_bias=True,
+                       num_query_groups=2, vocab_size=100, make_vocab_size_divisible_by=64,
                        tie_word_embeddings=tied, params_dtype="fp32", layer_spec="local")
 
 

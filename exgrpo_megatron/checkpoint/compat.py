@@ -23,7 +23,7 @@ SHAPE_FIELDS = (
     "ffn_hidden_size",
     "vocab_size",
     "tie_word_embeddings",
-    "qkv_bias",
+    "family",  # which tensors exist (q/k/v bias, QK-norm: config/families.py)
 )
 
 

@@ -3,6 +3,7 @@ from the world size, and the MoE keys' relations to the rest of the config. Each
 
 from __future__ import annotations
 
+from exgrpo_megatron.config.families import FAMILIES
 from exgrpo_megatron.config.schema import RootConfig
 
 
@@ -17,8 +18,8 @@ def moe_config_errors(cfg: RootConfig, world_size: int) -> list[str]:
                      "(model.num_experts > 0)")
         if m.moe_routing_replay:
             e.append("model.moe_routing_replay: needs a mixture-of-experts model (model.num_experts > 0)")
-        if m.family == "qwen3_moe":
-            e.append("model.num_experts: model.family=qwen3_moe needs num_experts > 0")
+        if m.family in FAMILIES and FAMILIES[m.family].moe is not None:
+            e.append(f"model.num_experts: model.family={m.family} is a mixture-of-experts family (needs > 0)")
         return e
     if m.moe_router_topk > m.num_experts:
         e.append(f"model.moe_router_topk: {m.moe_router_topk} experts per token but model.num_experts={m.num_experts}")
@@ -44,9 +45,9 @@ def moe_config_errors(cfg: RootConfig, world_size: int) -> list[str]:
                  "te or auto on GPU); the local spec runs the experts one by one")
     if m.moe_token_dispatcher == "flex" and m.layer_spec == "local":
         e.append("model.moe_token_dispatcher: flex (DeepEP) runs on GPU with the Transformer Engine spec")
-    if m.family not in ("qwen3_moe",):
-        e.append(f"model.num_experts: model.family={m.family} is a dense family; mixture-of-experts models are "
-                 "family qwen3_moe")
+    if m.family in FAMILIES and FAMILIES[m.family].moe is None:
+        e.append(f"model.num_experts: model.family={m.family} is a dense family (config/families.py); "
+                 f"mixture-of-experts families: {sorted(n for n, f in FAMILIES.items() if f.moe is not None)}")
     if m.moe_routing_replay and cfg.rollout.engine != "megatron":
         e.append(f"model.moe_routing_replay: needs the rollout's expert choices, recorded by rollout.engine=megatron "
                  f"(the {cfg.rollout.engine} engine does not return them)")

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from exgrpo_megatron.config.families import FAMILIES
+
 
 @dataclass
 class ModelConfig:
     name: str = "tiny_qwen2"
-    family: str = "qwen2"  # qwen2 | llama | qwen3_moe
+    family: str = "qwen2"  # a key of config/families.py FAMILIES: qwen2 | llama | qwen3 | qwen3_moe
     num_layers: int = 2
     hidden_size: int = 64
     ffn_hidden_size: int = 256
@@ -28,7 +30,6 @@ class ModelConfig:
     rope_theta: float = 1000000.0
     rope_scaling_factor: Optional[float] = None  # Llama 3.1 RoPE scaling (8.0)
     rms_norm_eps: float = 1e-6
-    qkv_bias: bool = True
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
     params_dtype: str = "auto"  # auto (bf16 on GPU; CPU: config/cpu_precision.py) | fp32 | bf16
@@ -218,7 +219,7 @@ class RootConfig:
 
 # The allowed values of the string keys with a fixed set of values (the defaults above are among them).
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.family": ("qwen2", "llama", "qwen3_moe"),
+    "model.family": tuple(FAMILIES),
     "model.params_dtype": ("auto", "fp32", "bf16"),
     "model.layer_spec": ("auto", "te", "local"),
     "model.core_attention": ("sdpa", "megatron"),

@@ -13,6 +13,7 @@ import os
 
 from exgrpo_megatron.config.derived import padded_vocab_size, resolve_params_dtype
 from exgrpo_megatron.config.domains import domain_errors, path_errors
+from exgrpo_megatron.config.families import FAMILIES
 from exgrpo_megatron.config.moe_checks import moe_config_errors
 from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import CHOICES, RootConfig
@@ -40,6 +41,8 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads and m.kv_channels is None:
         e.append(f"model.hidden_size: {m.hidden_size} not divisible by num_attention_heads {m.num_attention_heads} "
                  "(set model.kv_channels)")
+    if m.rope_scaling_factor is not None and m.family in FAMILIES and "llama3" not in FAMILIES[m.family].rope_scaling:
+        e.append(f"model.rope_scaling_factor: the {m.family} family has no llama3 RoPE scaling (set it null)")
     if m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups:
         e.append(f"model.num_query_groups: {m.num_attention_heads} heads not divisible by {m.num_query_groups} groups")
 

@@ -1,10 +1,11 @@
-"""Translate between a HuggingFace `config.json` (Qwen2 / Llama) and our `ModelConfig`.
+"""Translate between a HuggingFace `config.json` and our `ModelConfig`, for the families of config/families.py.
 
-Mapping: num_hidden_layers -> num_layers, intermediate_size ->
-ffn_hidden_size, num_key_value_heads -> num_query_groups, head_dim -> kv_channels, rms_norm_eps,
-rope_theta, tie_word_embeddings; Qwen2 has bias on q/k/v only, Llama none. Llama 3.1 RoPE scaling
-must be exactly what megatron-core implements (`rope_type` llama3, low/high frequency factors 1 and 4,
-original context 8192); anything else is refused rather than silently converted.
+Mapping: model_type -> family, num_hidden_layers -> num_layers, intermediate_size -> ffn_hidden_size,
+num_key_value_heads -> num_query_groups, head_dim -> kv_channels, rms_norm_eps, rope_theta,
+tie_word_embeddings; a key config.json leaves out takes the family's default (HF's config class default).
+What the family fixes (q/k/v bias, QK-norm) is not a ModelConfig field. RoPE scaling must be one the family
+allows and exactly what megatron-core implements (Llama 3.1: `rope_type` llama3, low/high frequency factors 1
+and 4, original context 8192); anything else is refused rather than silently converted.
 """
 
 from __future__ import annotations
@@ -16,38 +17,38 @@ from typing import Any
 
 import yaml
 
+from exgrpo_megatron.config.families import FAMILIES, MOE_HF_KEYS, ModelFamily, MoEKeys, family_of
 from exgrpo_megatron.config.schema import ModelConfig
 
-SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 MODEL_CONFIG_FILE = "model_config.yaml"
 # megatron-core's fixed llama3 RoPE scaling constants (RotaryEmbedding._apply_scaling defaults).
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
 class UnsupportedArchitectureError(ValueError):
     """The HF model (or checkpoint) uses a feature this converter/trainer does not implement."""
 
 
-def _rope_dict(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope_dict(hf: dict[str, Any], family: ModelFamily) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from either the legacy keys or transformers-5 `rope_parameters`."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or None
-    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))  # type: ignore[arg-type]
+    theta = float(hf.get("rope_theta", params.get("rope_theta", family.rope_theta_default)))  # type: ignore[arg-type]
     rope_type = (scaling or params).get("rope_type", (scaling or params).get("type", "default"))
     if rope_type in (None, "default"):
         return theta, None
     return theta, dict(scaling or params)
 
 
-def _rope_scaling_factor(hf: dict[str, Any]) -> float | None:
-    _, scaling = _rope_dict(hf)
+def _rope_scaling_factor(hf: dict[str, Any], family: ModelFamily) -> float | None:
+    _, scaling = _rope_dict(hf, family)
     if scaling is None:
         return None
     rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type != "llama3":
+    if rope_type not in family.rope_scaling:
         raise UnsupportedArchitectureError(
-            f"rope scaling type {rope_type!r} is unsupported; only 'llama3' (Llama 3.1) is implemented by megatron-core"
+            f"rope scaling type {rope_type!r} is unsupported for {family.name}; supported: {list(family.rope_scaling)}"
+            " (megatron-core implements only 'llama3', for Llama 3.1)"
         )
     for key, expected in MCORE_LLAMA3_ROPE.items():
         got = scaling.get(key)
@@ -61,16 +62,18 @@ def _rope_scaling_factor(hf: dict[str, Any]) -> float | None:
 def check_supported(hf: dict[str, Any]) -> None:
     """Raise UnsupportedArchitectureError naming the first unsupported feature of an HF config dict."""
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in FAMILIES:
         raise UnsupportedArchitectureError(
             f"model_type {model_type!r} (architectures={hf.get('architectures')}) is unsupported; "
-            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+            f"supported: {sorted(FAMILIES)}"
         )
-    for key in _MOE_KEYS:
-        if hf.get(key):
-            raise UnsupportedArchitectureError(f"mixture-of-experts ({key}={hf[key]}) is unsupported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UnsupportedArchitectureError(f"hidden_act {hf['hidden_act']!r} is unsupported; only silu (SwiGLU)")
+    family = FAMILIES[model_type]
+    for key in MOE_HF_KEYS:
+        if hf.get(key) and family.moe is None:
+            raise UnsupportedArchitectureError(f"mixture-of-experts ({key}={hf[key]}) is unsupported for {model_type}")
+    if hf.get("hidden_act", family.activation) != family.activation:
+        raise UnsupportedArchitectureError(
+            f"hidden_act {hf['hidden_act']!r} is unsupported; {model_type} is {family.activation} (gated)")
     if hf.get("attention_bias"):
         raise UnsupportedArchitectureError("attention_bias=True (bias on o_proj as well as q/k/v) is unsupported")
     if hf.get("mlp_bias"):
@@ -83,17 +86,59 @@ def check_supported(hf: dict[str, Any]) -> None:
         raise UnsupportedArchitectureError(f"sliding-window attention (layers {sliding}) is unsupported")
     if hf.get("pretraining_tp", 1) not in (1, None):
         raise UnsupportedArchitectureError(f"pretraining_tp={hf['pretraining_tp']} is unsupported")
-    _rope_scaling_factor(hf)
+    _rope_scaling_factor(hf, family)
+    if family.moe is not None:
+        _check_moe_layout(hf, family.moe)
+
+
+def _check_moe_layout(hf: dict[str, Any], keys: MoEKeys) -> None:
+    """Every decoder layer a mixture of experts (our builder's MoE layout); no shared expert."""
+    if keys.decoder_sparse_step and int(hf.get(keys.decoder_sparse_step, 1)) != 1:
+        raise UnsupportedArchitectureError(f"{keys.decoder_sparse_step}={hf[keys.decoder_sparse_step]}: only models "
+                                           "whose every layer is a mixture of experts are supported")
+    if keys.mlp_only_layers and hf.get(keys.mlp_only_layers):
+        raise UnsupportedArchitectureError(f"{keys.mlp_only_layers}={hf[keys.mlp_only_layers]}: dense layers in an "
+                                           "MoE model are unsupported")
+    if keys.shared_experts and hf.get(keys.shared_experts):
+        raise UnsupportedArchitectureError(f"{keys.shared_experts}={hf[keys.shared_experts]}: shared experts are "
+                                           "unsupported")
+
+
+def _moe_fields_from_hf(hf: dict[str, Any], keys: MoEKeys | None) -> dict[str, Any]:
+    if keys is None:
+        return {}
+    # transformers 5 writes `num_experts` under its attribute-map name `num_local_experts`; Qwen's own files use
+    # `num_experts`
+    experts = hf[keys.num_experts] if keys.num_experts in hf else hf["num_local_experts"]
+    return {"num_experts": int(experts), "moe_router_topk": int(hf[keys.top_k]),
+            "moe_ffn_hidden_size": int(hf[keys.moe_intermediate_size]),
+            "norm_topk_prob": bool(hf.get(keys.norm_topk_prob, False)) if keys.norm_topk_prob else True,
+            "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
+
+
+def _moe_fields_to_hf(cfg: ModelConfig, keys: MoEKeys | None) -> dict[str, Any]:
+    if keys is None:
+        return {}
+    out: dict[str, Any] = {keys.num_experts: cfg.num_experts, keys.top_k: cfg.moe_router_topk,
+                           keys.moe_intermediate_size: cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+                           "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "output_router_logits": False}
+    if keys.norm_topk_prob:
+        out[keys.norm_topk_prob] = cfg.norm_topk_prob
+    if keys.decoder_sparse_step:
+        out[keys.decoder_sparse_step] = 1
+    if keys.mlp_only_layers:
+        out[keys.mlp_only_layers] = []
+    return out
 
 
 def model_config_from_hf(hf_config: dict[str, Any], hf_path: str | None = None) -> ModelConfig:
-    """ModelConfig for an HF Qwen2/Llama config dict; raises UnsupportedArchitectureError otherwise."""
+    """ModelConfig for an HF config dict of a known family; raises UnsupportedArchitectureError otherwise."""
     check_supported(hf_config)
+    family = FAMILIES[hf_config["model_type"]]
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
-    head_dim = hf_config.get("head_dim")
-    theta, _ = _rope_dict(hf_config)
-    is_qwen2 = hf_config["model_type"] == "qwen2"
+    head_dim = hf_config.get("head_dim") or family.head_dim_default
+    theta, _ = _rope_dict(hf_config, family)
     return ModelConfig(
         name=os.path.basename(str(hf_config.get("_name_or_path") or hf_path or hf_config["model_type"]).rstrip("/")),
         family=hf_config["model_type"],
@@ -106,11 +151,11 @@ def model_config_from_hf(hf_config: dict[str, Any], hf_path: str | None = None) 
         vocab_size=int(hf_config["vocab_size"]),
         max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
         rope_theta=theta,
-        rope_scaling_factor=_rope_scaling_factor(hf_config),
-        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
-        qkv_bias=True if is_qwen2 else bool(hf_config.get("attention_bias", False)),
-        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        rope_scaling_factor=_rope_scaling_factor(hf_config, family),
+        rms_norm_eps=float(hf_config.get("rms_norm_eps", family.rms_norm_eps_default)),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", family.tie_word_embeddings_default)),
         hf_path=hf_path,
+        **_moe_fields_from_hf(hf_config, family.moe),
     )
 
 
@@ -123,15 +168,17 @@ def hf_config_from_model_config(
 ) -> dict[str, Any]:
     """HF config.json dict for `cfg`. `base` (e.g. the original HF config) keeps token ids and other
     non-architecture keys; every architecture key is overwritten from `cfg`."""
-    if cfg.family not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedArchitectureError(f"model.family {cfg.family!r} is unsupported")
-    if cfg.family == "qwen2" and not cfg.qkv_bias:
-        raise UnsupportedArchitectureError("a Qwen2 model without q/k/v bias cannot be expressed as an HF Qwen2 config")
+    try:
+        family = family_of(cfg.family)
+    except ValueError as e:
+        raise UnsupportedArchitectureError(str(e)) from None
+    if cfg.rope_scaling_factor is not None and "llama3" not in family.rope_scaling:
+        raise UnsupportedArchitectureError(f"{cfg.family} has no llama3 RoPE scaling (model.rope_scaling_factor)")
     out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
     out.update(
-        architectures=[SUPPORTED_MODEL_TYPES[cfg.family]],
-        model_type=cfg.family,
-        hidden_act="silu",
+        architectures=[family.hf_architecture],
+        model_type=family.name,
+        hidden_act=family.activation,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers,
@@ -146,15 +193,13 @@ def hf_config_from_model_config(
         torch_dtype=dtype,
         dtype=dtype,
     )
-    if cfg.family == "llama" or head_dim(cfg) != cfg.hidden_size // cfg.num_attention_heads:
+    out.update(family.hf_fixed_keys)
+    out.update(_moe_fields_to_hf(cfg, family.moe))
+    if family.hf_writes_head_dim or head_dim(cfg) != cfg.hidden_size // cfg.num_attention_heads:
         out["head_dim"] = head_dim(cfg)
     out.setdefault("use_cache", True)
     out.setdefault("initializer_range", cfg.init_method_std)
-    if cfg.family == "llama":
-        out.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
-        if cfg.qkv_bias:
-            raise UnsupportedArchitectureError("Llama with q/k/v bias but no o_proj bias has no HF equivalent")
-    else:
+    if family.hf_sliding_window_keys:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
         out.pop("layer_types", None)
     if cfg.rope_scaling_factor is not None:
@@ -179,11 +224,17 @@ def save_model_config(cfg: ModelConfig, directory: str) -> str:
 
 
 def load_model_config(path: str) -> ModelConfig:
-    """Read a `model_config.yaml` (flat ModelConfig fields, or nested under a `model:` key)."""
+    """Read a `model_config.yaml` (flat ModelConfig fields, or nested under a `model:` key). One written before the
+    family decided the q/k/v bias carries `qkv_bias`: accepted when it is the family's."""
     with open(path) as f:
         data = yaml.safe_load(f) or {}
     if set(data) == {"model"} and isinstance(data["model"], dict):
         data = data["model"]
+    if "qkv_bias" in data:
+        saved, family = data.pop("qkv_bias"), family_of(data.get("family", ModelConfig.family))
+        if bool(saved) != family.qkv_bias:
+            raise UnsupportedArchitectureError(f"{path}: qkv_bias={saved} but the {family.name} family has "
+                                               f"qkv_bias={family.qkv_bias}")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(data) - known)
     if unknown:

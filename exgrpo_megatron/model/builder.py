@@ -1,8 +1,10 @@
-"""Build a megatron-core `GPTModel` (Qwen2 or Llama 3.1 shaped) from a `ModelConfig`.
+"""Build a megatron-core `GPTModel` from a `ModelConfig` and its family (config/families.py).
 
-Qwen2: RMSNorm, SwiGLU, RoPE (theta from the preset), GQA, bias on Q/K/V only, tied or untied
-embeddings. Llama 3.1: the same without QKV bias, plus Llama-3 RoPE scaling (factor 8, low/high
-frequency factors 1/4, original context 8192, as megatron-core implements it).
+Every family is RMSNorm, SwiGLU, RoPE (theta from the preset), GQA, tied or untied embeddings; the family says
+whether q/k/v carry a bias (Qwen2), whether queries and keys get a per-head RMSNorm before RoPE (Qwen3: megatron's
+qk_layernorm, in both layer specs) and which RoPE scaling it may use (Llama 3.1: factor 8, low/high frequency
+factors 1/4, original context 8192, as megatron-core implements it). The head dim is `kv_channels`, which may
+differ from hidden / heads (Qwen3).
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from exgrpo_megatron.config.derived import padded_vocab_size, resolve_params_dtype
-from exgrpo_megatron.config.schema import CHOICES, ModelConfig, ParallelConfig
+from exgrpo_megatron.config.families import family_of
+from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
 from exgrpo_megatron.model.moe import is_moe, moe_transformer_config, per_micro_batch_router_losses
+
+ACTIVATIONS = {"silu": F.silu}  # a family's activation -> the gated MLP's function
 
 
 def transformer_engine_available() -> bool:
@@ -38,6 +43,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = resolve_params_dtype(cfg)
+    family = family_of(cfg.family)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -45,13 +51,13 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
         kv_channels=cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads,
-        normalization="RMSNorm",
+        normalization=family.normalization,
         layernorm_epsilon=cfg.rms_norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=ACTIVATIONS[family.activation],
         add_bias_linear=False,
-        add_qkv_bias=cfg.qkv_bias,
-        qk_layernorm=qk_layernorm(cfg),
+        add_qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
@@ -83,21 +89,17 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
     )
 
 
-def qk_layernorm(cfg: ModelConfig) -> bool:
-    """RMSNorm on each head's query and key before RoPE (Qwen3)."""
-    return cfg.family == "qwen3_moe"
-
-
 def layer_spec(cfg: ModelConfig, tcfg=None, vp_stage: int | None = None):
     """The decoder spec: TE's layer, or megatron's local layer with our CPU submodules (`model.core_attention`,
     `model.fused_norm_rope`; the latter also replaces the final norm, so it returns the whole block's spec for
     this pipeline stage, which needs the stage's `tcfg`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    moe = {"num_experts": cfg.num_experts if is_moe(cfg) else None, "qk_layernorm": qk_layernorm(cfg)}
+    family = family_of(cfg.family)
+    moe = {"num_experts": cfg.num_experts if is_moe(cfg) else None, "qk_layernorm": family.qk_norm}
     if resolve_layer_spec(cfg) == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=cfg.moe_grouped_gemm, **moe)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=family.normalization, **moe)
     if cfg.core_attention == "sdpa":
         from exgrpo_megatron.model.sdpa_attention import SDPADotProductAttention
 
@@ -110,6 +112,9 @@ def layer_spec(cfg: ModelConfig, tcfg=None, vp_stage: int | None = None):
 
     spec.submodules.input_layernorm = FusedRMSNorm
     spec.submodules.pre_mlp_layernorm = FusedRMSNorm
+    if family.qk_norm:
+        spec.submodules.self_attention.submodules.q_layernorm = FusedRMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = FusedRMSNorm
     spec.submodules.self_attention.module = FusedRopeSelfAttention
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage),
                                       layer_norm=FusedRMSNorm)
@@ -126,8 +131,6 @@ def build_gpt_model(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    if cfg.family not in CHOICES["model.family"]:
-        raise ValueError(f"model.family: unsupported architecture {cfg.family!r}; supported: {CHOICES['model.family']}")
     tcfg = transformer_config(cfg, parallel)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)

@@ -16,7 +16,8 @@ TP. A sharded parameter is cut along `dim` into TP x `stride` equal pieces and r
 r, r + TP, ... (megatron tensor_parallel/layers.py). Column-parallel (linear_qkv, embedding,
 output_layer): dim 0, stride 1 - linear_qkv rows are interleaved per query group, so a dim-0 chunk
 gives each rank whole groups; SwiGLU linear_fc1 = [gate; up]: dim 0, stride 2 (rank r holds
-[gate_r; up_r]); row-parallel (linear_proj, linear_fc2): dim 1; norms are replicated. The
+[gate_r; up_r]); row-parallel (linear_proj, linear_fc2): dim 1; norms (the QK-norms of one head's dim
+too) are replicated. The
 vocabulary (embedding, output_layer) is padded as `config.derived.padded_vocab_size` pads it.
 """
 
@@ -188,11 +189,11 @@ _LAYER_SPLITS: dict[str, TPSplit | None] = {
     "pre_mlp_layernorm.weight": None,
     "self_attention.linear_qkv.weight": COLUMN,
     "self_attention.linear_qkv.bias": COLUMN,
+    "self_attention.q_layernorm.weight": None,  # QK-norm: one head's dim, the same on every rank
+    "self_attention.k_layernorm.weight": None,
     "self_attention.linear_proj.weight": ROW,
     "mlp.linear_fc1.weight": SWIGLU,
     "mlp.linear_fc2.weight": ROW,
-    "self_attention.q_layernorm.weight": None,
-    "self_attention.k_layernorm.weight": None,
     "mlp.router.weight": None,
     "mlp.experts.local_experts.*.linear_fc1.weight": SWIGLU,
     "mlp.experts.local_experts.*.linear_fc2.weight": ROW,
