@@ -16,8 +16,6 @@ def moe_config_errors(cfg: RootConfig, world_size: int) -> list[str]:
         if ep > 1 or etp > 1:
             e.append(f"parallel.expert_model_parallel_size: EP={ep}, ETP={etp} needs a mixture-of-experts model "
                      "(model.num_experts > 0)")
-        if m.moe_routing_replay:
-            e.append("model.moe_routing_replay: needs a mixture-of-experts model (model.num_experts > 0)")
         if m.family in FAMILIES and FAMILIES[m.family].moe is not None:
             e.append(f"model.num_experts: model.family={m.family} is a mixture-of-experts family (needs > 0)")
         return e
@@ -48,10 +46,4 @@ def moe_config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     if m.family in FAMILIES and FAMILIES[m.family].moe is None:
         e.append(f"model.num_experts: model.family={m.family} is a dense family (config/families.py); "
                  f"mixture-of-experts families: {sorted(n for n, f in FAMILIES.items() if f.moe is not None)}")
-    if m.moe_routing_replay and cfg.rollout.engine != "megatron":
-        e.append(f"model.moe_routing_replay: needs the rollout's expert choices, recorded by rollout.engine=megatron "
-                 f"(the {cfg.rollout.engine} engine does not return them)")
-    if m.moe_routing_replay and m.recompute_activations and pp > 1:
-        e.append("model.moe_routing_replay: with model.recompute_activations and pipeline parallelism a layer's "
-                 "recompute runs after later micro-batches' forwards, whose routing it would replay")
     return e
