@@ -1,6 +1,7 @@
 """Qwen3-MoE with expert parallelism on spawned gloo ranks: one full RL step (the ExGRPO loss on fresh and replayed
 rows, packed micro-batches, load-balancing and z-loss on) at EP=2 gives the loss, every parameter's gradient and the
-updated weights of EP=1 (both on two ranks: EP takes its ranks from DP, so the data split is the same); and a
+updated weights of EP=1 (both on two ranks: EP takes its ranks from DP, so the data split is the same), and the same
+per-expert load metrics; and a
 mixture-of-experts layout megatron-core cannot build fails at start-up naming the key."""
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def rl_step(ep: int, init: dict | None) -> dict:
     metrics = policy.forward_backward(mbs, loss_fn)
     grads = full_tensors(policy.modules, "grad")
     result = policy.optimizer_step(skip_grad_bound=1e9)
-    return {"initial": initial, "metrics": metrics, "grads": grads, "grad_norm": result.grad_norm,
+    policy.forward_backward(mbs, loss_fn, forward_only=True)  # not an update: its routing is not counted
+    load = policy.expert_load.take_metrics(ps.get_data_parallel_group())
+    return {"initial": initial, "metrics": metrics, "load": load, "grads": grads, "grad_norm": result.grad_norm,
             "weights": full_tensors(policy.modules, "data"), "ep": layout.ep_size, "n_micro": len(mbs)}
 
 
@@ -78,6 +81,11 @@ def test_rl_step_at_ep2_equals_ep1():
         for k, rw in r["weights"].items():
             assert torch.allclose(g["weights"][k], rw, rtol=0, atol=1e-6), f"weight {k} after the step"
         assert abs(r["grad_norm"] - g["grad_norm"]) <= 1e-5 * r["grad_norm"]
+        # per-expert load of the update's tokens, summed over the DP ranks: the same at EP=2 (whose padding
+        # micro-batches are not counted) as at EP=1
+        shares = [r["load"][f"moe/expert_load/{e}"] for e in range(4)]
+        assert abs(sum(shares) - 1.0) < 1e-12 and min(shares) > 0 and r["load"]["moe/load_max_over_mean"] >= 1.0
+        assert g["load"] == r["load"]
 
 
 @pytest.mark.parametrize("override, key", [

@@ -26,6 +26,7 @@ from exgrpo_megatron.config.derived import updates_per_step
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.threads import torch_threads, train_threads_from_env
 from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
+from exgrpo_megatron.model.expert_load import ExpertLoad
 from exgrpo_megatron.model.layout_init import initialise
 from exgrpo_megatron.policy.batch import MicroBatch, forward_inputs
 from exgrpo_megatron.policy.expert_sync import equalise_micro_batch_count, is_padding, router_losses_off
@@ -69,6 +70,7 @@ class Policy:
         # megatron's local DotProductAttention is given the causal mask; sdpa and TE take None (causal kernel)
         self.use_mask = resolve_layer_spec(cfg.model) == "local" and cfg.model.core_attention == "megatron"
         self.tokens_run = self.padding_run = 0  # token slots through the model / of them padding, since taken
+        self._counting_load = False  # forward_backward of a training update: the MoE routers' loads are counted
         tcfg = self.modules[0].config
         tcfg.variable_seq_lengths = True  # micro-batches differ in length and rows
         ddp_cfg = DistributedDataParallelConfig(
@@ -107,6 +109,7 @@ class Policy:
         self.train_threads = train_threads_from_env(cfg.trainer.train_threads, dist.get_world_size())
         # MoE with EP > 1: the EP ranks hold different data but run every forward together (policy/expert_sync.py)
         self.ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+        self.expert_load = ExpertLoad(self.modules)  # MoE: tokens per expert of the training updates
 
     # ---------------------------------------------------------------- weights
     def mark_weights_changed(self) -> None:
@@ -140,7 +143,8 @@ class Policy:
                       ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[Any, ...]]]:
         mb: MicroBatch = next(data_iterator)
         with stop_before_output_layer(model, self.fused_output_logprobs) as output_weight, \
-                (router_losses_off(self.modules[0].config) if is_padding(mb) else nullcontext()):
+                (router_losses_off(self.modules[0].config) if is_padding(mb) else nullcontext()), \
+                self.expert_load.counting(self._counting_load and not is_padding(mb)):
             output = model(**forward_inputs(mb, causal_mask=self.use_mask))
 
         def loss_func(model_output: torch.Tensor) -> tuple[Any, ...]:
@@ -164,6 +168,7 @@ class Policy:
         self.tokens_run += sum(mb.tokens.numel() for mb in micro_batches)
         self.padding_run += sum(mb.padding_tokens for mb in micro_batches)
         collect: list[dict[str, torch.Tensor]] = []
+        self._counting_load = not forward_only
         n = len(micro_batches)
         iterators = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
         with torch_threads(self.train_threads):  # this rank's cores (the grader pool is idle; distributed/threads.py)
