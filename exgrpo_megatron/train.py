@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
     from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.config.moe_checks import moe_startup_errors
     from exgrpo_megatron.config.validate import ConfigError, validate, vllm_startup_errors
     from exgrpo_megatron.distributed.launch_env import launch_env
 
@@ -83,7 +84,7 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
             return EXIT_INVALID_CONFIG
         print(dry_run_report(cfg, world_size, replays=algorithm.experience is not None, phase_times=times))
         return 0
-    startup_errors = vllm_startup_errors(cfg)
+    startup_errors = vllm_startup_errors(cfg) + moe_startup_errors(cfg)
     if startup_errors:
         print(f"exgrpo-train: {ConfigError(startup_errors)}", file=sys.stderr)
         return EXIT_INVALID_CONFIG

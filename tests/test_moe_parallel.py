@@ -101,3 +101,14 @@ def test_invalid_moe_layouts_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         validate(cfg, world_size=2, check_paths=False)
     assert any(e.startswith(key) for e in err.value.errors), err.value.errors
+
+
+def test_training_at_ep2_is_refused_at_start_up_but_planned_by_the_dry_run(capsys):
+    from exgrpo_megatron.train import main
+
+    args = ["--config-name", "demo_cpu", "--world-size", "2", "model=tiny_qwen3_moe",
+            "parallel.expert_model_parallel_size=2", "logging.run_dir=/nonexistent/never_written"]
+    assert main(args) == 2
+    assert "parallel.expert_model_parallel_size: EP=2" in capsys.readouterr().err
+    assert main([*args, "--dry-run"]) == 0
+    assert "experts: EP=2  ETP=1  expert-DP=1" in capsys.readouterr().out
