@@ -128,6 +128,7 @@ def step_report(c: Components, trained: TrainMetrics, grader_deaths: int, timer:
         "experience/n_replayed": float(sum(g.replay is not None for g in groups)),
         "old_logprobs/forward_rows": reduced.sums["forward_rows"],
         "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
+        **c.policy.expert_load.take_metrics(c.dp_group),  # MoE: tokens per expert (model/expert_load.py)
     })
     out.update(step_times(timer, refit_seconds))
     out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(timer.total(), 1e-9)
@@ -252,7 +253,9 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None) -
     preemption = preemption or PreemptionHandler().install(startup=True)
     p = cfg.parallel
     layout = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                              p.virtual_pipeline_model_parallel_size, p.context_parallel_size, seed=cfg.seed)
+                              p.virtual_pipeline_model_parallel_size, p.context_parallel_size, seed=cfg.seed,
+                              expert_model_parallel_size=p.expert_model_parallel_size,
+                              expert_tensor_parallel_size=p.expert_tensor_parallel_size)
     if layout.rank == 0:
         print(startup_block(cfg, layout), flush=True)
     c = build_components(cfg, layout)

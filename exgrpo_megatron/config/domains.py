@@ -74,10 +74,14 @@ DOMAINS: dict[str, Domain] = {
     "model.make_vocab_size_divisible_by": AT_LEAST_1, "model.max_position_embeddings": AT_LEAST_1,
     "model.rope_theta": POSITIVE, "model.rope_scaling_factor": Domain(lo=0, lo_open=True, none_ok=True),
     "model.rms_norm_eps": POSITIVE, "model.init_method_std": POSITIVE,
+    "model.num_experts": NON_NEGATIVE, "model.moe_ffn_hidden_size": Domain(lo=1, none_ok=True),
+    "model.moe_router_topk": AT_LEAST_1, "model.moe_aux_loss_coeff": NON_NEGATIVE,
+    "model.moe_z_loss_coeff": NON_NEGATIVE,
     # parallel
     "parallel.tensor_model_parallel_size": AT_LEAST_1, "parallel.pipeline_model_parallel_size": AT_LEAST_1,
     "parallel.virtual_pipeline_model_parallel_size": Domain(lo=1, none_ok=True),
     "parallel.context_parallel_size": AT_LEAST_1,
+    "parallel.expert_model_parallel_size": AT_LEAST_1, "parallel.expert_tensor_parallel_size": AT_LEAST_1,
     # optim
     "optim.lr": NON_NEGATIVE, "optim.min_lr": NON_NEGATIVE, "optim.lr_warmup_steps": NON_NEGATIVE,
     "optim.weight_decay": NON_NEGATIVE, "optim.adam_beta1": Domain(lo=0, hi=1, hi_open=True),

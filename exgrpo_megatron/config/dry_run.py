@@ -59,42 +59,48 @@ class ParamCounts:
     embedding: int
     output_layer: int  # 0 when the word embeddings are tied
     per_layer_sharded: int  # QKV (+bias), o_proj, fc1 (gate+up), fc2: split over TP
-    per_layer_replicated: int  # the two RMSNorm weights (+ the QK-norms): replicated over TP
+    per_layer_replicated: int  # the two RMSNorm weights (+ the QK-norms, the MoE router): replicated over TP
     final_norm: int
     num_layers: int
+    per_layer_experts: int = 0  # MoE: every expert's fc1 + fc2, split over EP x ETP (the dense fc1/fc2 are then 0)
 
     @property
     def total(self) -> int:
-        layers = self.num_layers * (self.per_layer_sharded + self.per_layer_replicated)
+        layers = self.num_layers * (self.per_layer_sharded + self.per_layer_replicated + self.per_layer_experts)
         return self.embedding + self.output_layer + layers + self.final_norm
 
 
 def count_parameters(m: ModelConfig, tp: int = 1) -> ParamCounts:
     """embedding V x h; per layer: QKV h x (q + 2kv) (+ q + 2kv bias if the family has it), o_proj q x h,
     SwiGLU fc1 h x 2f and fc2 f x h, two norms of h (+ q and k norms of d each with QK-norm); final norm h;
-    output V x h unless tied."""
+    output V x h unless tied. Mixture of experts: instead of fc1/fc2, E experts of h x 2f_e + f_e x h and a router
+    of E x h."""
     family = family_of(m.family)
     d = head_dim(m)
     q_dim, kv_dim = m.num_attention_heads * d, m.num_query_groups * d
     h, f = m.hidden_size, m.ffn_hidden_size
     qkv = h * (q_dim + 2 * kv_dim) + ((q_dim + 2 * kv_dim) if family.qkv_bias else 0)
-    sharded = qkv + q_dim * h + h * 2 * f + f * h
+    moe = m.num_experts > 0
+    sharded = qkv + q_dim * h + (0 if moe else h * 2 * f + f * h)
+    fe = m.moe_ffn_hidden_size or f
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     return ParamCounts(
         embedding=vocab * h,
         output_layer=0 if m.tie_word_embeddings else vocab * h,
         per_layer_sharded=sharded,
-        per_layer_replicated=2 * h + (2 * d if family.qk_norm else 0),
+        per_layer_replicated=2 * h + (2 * d if family.qk_norm else 0) + (m.num_experts * h if moe else 0),
         final_norm=h,
         num_layers=m.num_layers,
+        per_layer_experts=m.num_experts * 3 * h * fe if moe else 0,
     )
 
 
-def params_per_rank(counts: ParamCounts, tp: int, pp: int) -> int:
-    """Parameters held by the most loaded rank: L/PP layers (matrices / TP, norms whole) plus the
+def params_per_rank(counts: ParamCounts, tp: int, pp: int, ep: int = 1, etp: int = 1) -> int:
+    """Parameters held by the most loaded rank: L/PP layers (matrices / TP, experts / (EP x ETP), norms whole) plus the
     vocab-parallel embedding (first stage) and output layer (last stage; a tied model keeps a copy
     of the embedding there when PP > 1)."""
-    layers = counts.num_layers // pp * (counts.per_layer_sharded // tp + counts.per_layer_replicated)
+    layers = counts.num_layers // pp * (counts.per_layer_sharded // tp + counts.per_layer_replicated
+                                        + counts.per_layer_experts // (ep * etp))
     head = (counts.output_layer or (counts.embedding if pp > 1 else 0)) // tp + counts.final_norm
     if pp == 1:
         return layers + counts.embedding // tp + head
@@ -150,7 +156,8 @@ def activation_bytes(cfg: RootConfig, recompute: bool) -> int:
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     sp_div = tp if p.sequence_parallel else 1
     d = head_dim(m)
-    h, f = m.hidden_size, m.ffn_hidden_size
+    h = m.hidden_size
+    f = m.moe_router_topk * (m.moe_ffn_hidden_size or m.ffn_hidden_size) if m.num_experts else m.ffn_hidden_size
     q_dim, kv_dim = m.num_attention_heads * d, m.num_query_groups * d
     tokens = cfg.trainer.micro_batch_max_tokens // cp
     nbytes = param_bytes(m)
@@ -171,7 +178,7 @@ def estimate_memory(cfg: RootConfig, world_size: int) -> MemoryEstimate:
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     dp = world_size // (tp * pp * cp)
     counts = count_parameters(m, tp)
-    n_rank = params_per_rank(counts, tp, pp)
+    n_rank = params_per_rank(counts, tp, pp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     pbytes = param_bytes(m)
     optim_bytes = (4 if pbytes == 2 else 0) + ADAM_STATE_BYTES
     optimizer = n_rank * optim_bytes // (dp * cp if p.use_distributed_optimizer else 1)
@@ -211,12 +218,25 @@ def _layout_lines(cfg: RootConfig, world_size: int) -> list[str]:
         f"  TP={tp}  PP={pp}  CP={cp}  DP={dp}  VPP={p.virtual_pipeline_model_parallel_size or '-'}  "
         f"sequence_parallel={p.sequence_parallel}  distributed_optimizer={p.use_distributed_optimizer}",
         f"  {dp} model replica(s) of {tp * pp * cp} GPU(s); each replica generates for its share of the prompts",
+        *_expert_layout_lines(cfg, world_size),
     ]
+
+
+def _expert_layout_lines(cfg: RootConfig, world_size: int) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    if not m.num_experts:
+        return []
+    ep, etp, pp = p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.pipeline_model_parallel_size
+    return [f"  experts: EP={ep}  ETP={etp}  expert-DP={world_size // (ep * etp * pp)}: each GPU holds "
+            f"{m.num_experts // ep} of the {m.num_experts} experts of each of its layers (1/{etp} of each), "
+            f"{m.moe_router_topk} routed per token over the {m.moe_token_dispatcher} dispatcher"]
 
 
 def _model_lines(cfg: RootConfig) -> list[str]:
     m, tp, pp = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     counts = count_parameters(m, tp)
+    per_gpu = params_per_rank(counts, tp, pp, cfg.parallel.expert_model_parallel_size,
+                              cfg.parallel.expert_tensor_parallel_size)
     family = family_of(m.family)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     return [
@@ -226,7 +246,7 @@ def _model_lines(cfg: RootConfig) -> list[str]:
         f"{', QK-norm' if family.qk_norm else ''}, o_proj, SwiGLU fc1/fc2, 2 norms)"
         f" + embedding {counts.embedding:,} (padded vocab {vocab:,})"
         f" + output {'tied' if m.tie_word_embeddings else f'{counts.output_layer:,}'} + final norm",
-        f"  per GPU (most loaded rank): {params_per_rank(counts, tp, pp):,} parameters",
+        f"  per GPU (most loaded rank): {per_gpu:,} parameters",
     ]
 
 

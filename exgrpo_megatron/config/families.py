@@ -63,6 +63,14 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
                 rope_scaling=("llama3",), hf_fixed_keys=(("attention_bias", False), ("mlp_bias", False))),
     ModelFamily(name="qwen3", hf_architecture="Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, head_dim_default=128,
                 hf_fixed_keys=(("attention_bias", False),), hf_sliding_window_keys=True),
+    # Qwen3-MoE: Qwen3's attention; every layer's MLP a mixture of routed SwiGLU experts, no shared expert
+    # (model/moe.py); transformers' Qwen3MoeConfig defaults norm_topk_prob to False.
+    ModelFamily(name="qwen3_moe", hf_architecture="Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True,
+                head_dim_default=128, hf_fixed_keys=(("attention_bias", False),), hf_sliding_window_keys=True,
+                moe=MoEKeys(num_experts="num_experts", top_k="num_experts_per_tok",
+                            moe_intermediate_size="moe_intermediate_size", norm_topk_prob="norm_topk_prob",
+                            shared_experts=None, decoder_sparse_step="decoder_sparse_step",
+                            mlp_only_layers="mlp_only_layers")),
 )}
 
 # HF keys that make a model mixture-of-experts in some family (a dense family refuses a config that sets one).

@@ -17,7 +17,7 @@ from exgrpo_megatron.config.families import FAMILIES
 @dataclass
 class ModelConfig:
     name: str = "tiny_qwen2"
-    family: str = "qwen2"  # a key of config/families.py FAMILIES: qwen2 | llama | qwen3 (biases, QK-norm, HF names)
+    family: str = "qwen2"  # a key of config/families.py FAMILIES: qwen2 | llama | qwen3 | qwen3_moe
     num_layers: int = 2
     hidden_size: int = 64
     ffn_hidden_size: int = 256
@@ -37,6 +37,15 @@ class ModelConfig:
     core_attention: str = "sdpa"  # local spec: sdpa (torch fused kernel) | megatron (DotProductAttention)
     fused_norm_rope: bool = True  # local spec: RMSNorm and RoPE as one autograd function each (model/fused_ops.py)
     recompute_activations: bool = False
+    # Mixture of experts (model/moe.py); num_experts = 0 is a dense model and the moe_* keys are not read.
+    num_experts: int = 0
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's SwiGLU intermediate size (HF moe_intermediate_size)
+    moe_router_topk: int = 2  # experts per token (HF num_experts_per_tok)
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1 (HF norm_topk_prob)
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (HF router_aux_loss_coef)
+    moe_z_loss_coeff: float = 0.0  # router z-loss coefficient; 0 = off
+    moe_grouped_gemm: bool = False  # GPU (TE spec): all local experts in one grouped GEMM
+    moe_token_dispatcher: str = "allgather"  # allgather | alltoall (GPU at scale) | flex (DeepEP, GPU)
     hf_path: Optional[str] = None  # HF directory: tokenizer files (and weights for conversion)
 
 
@@ -48,6 +57,8 @@ class ParallelConfig:
     context_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    expert_model_parallel_size: int = 1  # EP: the experts split over this many ranks (MoE models)
+    expert_tensor_parallel_size: int = 1  # ETP: each expert's weights split over this many ranks (MoE models)
 
 
 @dataclass
@@ -215,6 +226,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.params_dtype": ("auto", "fp32", "bf16"),
     "model.layer_spec": ("auto", "te", "local"),
     "model.core_attention": ("sdpa", "megatron"),
+    "model.moe_token_dispatcher": ("allgather", "alltoall", "flex"),
     "optim.lr_schedule": ("constant", "cosine", "linear"),
     "rollout.engine": ("megatron", "vllm"),
     "rollout.vllm.dtype": ("auto", "fp32", "bf16", "fp16"),

@@ -14,6 +14,7 @@ import os
 from exgrpo_megatron.config.derived import padded_vocab_size, resolve_params_dtype
 from exgrpo_megatron.config.domains import domain_errors, path_errors
 from exgrpo_megatron.config.families import FAMILIES
+from exgrpo_megatron.config.moe_checks import moe_config_errors
 from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import CHOICES, RootConfig
 
@@ -71,6 +72,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     if p.sequence_parallel and tp == 1:
         e.append("parallel.sequence_parallel: requires tensor_model_parallel_size > 1")
 
+    e.extend(moe_config_errors(cfg, world_size))
     e.extend(vllm_config_errors(cfg))
     e.extend(_old_logprobs_errors(cfg))
     e.extend(staleness_errors(cfg))

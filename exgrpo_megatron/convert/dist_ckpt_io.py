@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from exgrpo_megatron.model.param_layout import LOCAL_TO_TE, canonical_name, split_layer_name
+from exgrpo_megatron.model.param_layout import LOCAL_TO_TE, canonical_name, split_expert_name, split_layer_name
 
 LAYER_EXTRA_STATE_MODULES = (
     "self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
@@ -52,13 +52,18 @@ MEGATRON_METADATA = {
 }
 
 
-def sharded_key(name: str) -> tuple[str, int | None]:
-    """(dist-checkpoint key, layer index or None) of a megatron parameter name."""
+def sharded_key(name: str) -> tuple[str, tuple[int, ...]]:
+    """(dist-checkpoint key, the leading axes' indices) of a megatron parameter name: () outside the decoder
+    layers, (layer,) for a layer's tensor, (layer, expert) for one expert's (megatron stores the experts of
+    all layers as one tensor `decoder.layers.mlp.experts.experts.<rest>` of [layers, experts, ...])."""
     name = canonical_name(name)
     layer, suffix = split_layer_name(name)
     if layer is None:
-        return name, None
-    return f"decoder.layers.{LOCAL_TO_TE.get(suffix, suffix)}", layer
+        return name, ()
+    expert, generic = split_expert_name(suffix)
+    if expert is not None:
+        return "decoder.layers.mlp.experts.experts." + generic.split("*.", 1)[1], (layer, expert)
+    return f"decoder.layers.{LOCAL_TO_TE.get(suffix, suffix)}", (layer,)
 
 
 @dataclass(frozen=True)
@@ -73,10 +78,15 @@ class ChunkSpec:
     produce: Callable[[], torch.Tensor]
 
 
-def layer_extra_state_keys(num_layers: int) -> list[str]:
-    """The ShardedObject unique keys megatron writes for each layer's (empty) `_extra_state`."""
-    return [f"decoder.layers.{m}._extra_state/shard_{i}_{num_layers}"
-            for i in range(num_layers) for m in LAYER_EXTRA_STATE_MODULES]
+def layer_extra_state_keys(num_layers: int, num_experts: int = 0) -> list[str]:
+    """The ShardedObject unique keys megatron writes for each layer's (and each expert's) empty `_extra_state`."""
+    if not num_experts:
+        return [f"decoder.layers.{m}._extra_state/shard_{i}_{num_layers}"
+                for i in range(num_layers) for m in LAYER_EXTRA_STATE_MODULES]
+    attention = [m for m in LAYER_EXTRA_STATE_MODULES if m.startswith("self_attention.")]
+    return ([f"decoder.layers.{m}._extra_state/shard_{i}_{num_layers}" for i in range(num_layers) for m in attention]
+            + [f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_{num_layers}.{num_experts}"
+               for i in range(num_layers) for e in range(num_experts) for fc in ("linear_fc1", "linear_fc2")])
 
 
 def _empty_extra_state() -> io.BytesIO:
@@ -219,12 +229,13 @@ class DistCheckpointReader:
 
     def read_param(self, name: str, rows: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full (TP=1 layout) megatron parameter `name` (global layer index); `rows` limits dim 0."""
-        key, layer = sharded_key(name)
+        key, index = sharded_key(name)
         size = tuple(self.tensor_meta(key).size)
-        if layer is None:
+        if not index:
             shape = ((rows,) + size[1:]) if rows is not None else size
             return self.read_regions([(key, (0,) * len(size), shape)], dtype)[0]
-        if layer >= size[0]:
-            raise KeyError(f"{name}: checkpoint stores only {size[0]} layers")
-        region = (1,) + size[1:]
-        return self.read_regions([(key, (layer,) + (0,) * (len(size) - 1), region)], dtype)[0][0]
+        if any(i >= n for i, n in zip(index, size, strict=False)):
+            raise KeyError(f"{name}: checkpoint stores only {size[:len(index)]} (layers, experts)")
+        region = (1,) * len(index) + size[len(index):]
+        offset = index + (0,) * (len(size) - len(index))
+        return self.read_regions([(key, offset, region)], dtype)[0].reshape(size[len(index):])

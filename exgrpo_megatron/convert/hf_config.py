@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from exgrpo_megatron.config.derived import head_dim
-from exgrpo_megatron.config.families import FAMILIES, MOE_HF_KEYS, ModelFamily, family_of
+from exgrpo_megatron.config.families import FAMILIES, MOE_HF_KEYS, ModelFamily, MoEKeys, family_of
 from exgrpo_megatron.config.schema import ModelConfig
 
 MODEL_CONFIG_FILE = "model_config.yaml"
@@ -88,6 +88,48 @@ def check_supported(hf: dict[str, Any]) -> None:
     if hf.get("pretraining_tp", 1) not in (1, None):
         raise UnsupportedArchitectureError(f"pretraining_tp={hf['pretraining_tp']} is unsupported")
     _rope_scaling_factor(hf, family)
+    if family.moe is not None:
+        _check_moe_layout(hf, family.moe)
+
+
+def _check_moe_layout(hf: dict[str, Any], keys: MoEKeys) -> None:
+    """Every decoder layer a mixture of experts (our builder's MoE layout); no shared expert."""
+    if keys.decoder_sparse_step and int(hf.get(keys.decoder_sparse_step, 1)) != 1:
+        raise UnsupportedArchitectureError(f"{keys.decoder_sparse_step}={hf[keys.decoder_sparse_step]}: only models "
+                                           "whose every layer is a mixture of experts are supported")
+    if keys.mlp_only_layers and hf.get(keys.mlp_only_layers):
+        raise UnsupportedArchitectureError(f"{keys.mlp_only_layers}={hf[keys.mlp_only_layers]}: dense layers in an "
+                                           "MoE model are unsupported")
+    if keys.shared_experts and hf.get(keys.shared_experts):
+        raise UnsupportedArchitectureError(f"{keys.shared_experts}={hf[keys.shared_experts]}: shared experts are "
+                                           "unsupported")
+
+
+def _moe_fields_from_hf(hf: dict[str, Any], keys: MoEKeys | None) -> dict[str, Any]:
+    if keys is None:
+        return {}
+    # transformers 5 writes `num_experts` under its attribute-map name `num_local_experts`; Qwen's own files use
+    # `num_experts`
+    experts = hf[keys.num_experts] if keys.num_experts in hf else hf["num_local_experts"]
+    return {"num_experts": int(experts), "moe_router_topk": int(hf[keys.top_k]),
+            "moe_ffn_hidden_size": int(hf[keys.moe_intermediate_size]),
+            "norm_topk_prob": bool(hf.get(keys.norm_topk_prob, False)) if keys.norm_topk_prob else True,
+            "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
+
+
+def _moe_fields_to_hf(cfg: ModelConfig, keys: MoEKeys | None) -> dict[str, Any]:
+    if keys is None:
+        return {}
+    out: dict[str, Any] = {keys.num_experts: cfg.num_experts, keys.top_k: cfg.moe_router_topk,
+                           keys.moe_intermediate_size: cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+                           "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "output_router_logits": False}
+    if keys.norm_topk_prob:
+        out[keys.norm_topk_prob] = cfg.norm_topk_prob
+    if keys.decoder_sparse_step:
+        out[keys.decoder_sparse_step] = 1
+    if keys.mlp_only_layers:
+        out[keys.mlp_only_layers] = []
+    return out
 
 
 def model_config_from_hf(hf_config: dict[str, Any], hf_path: str | None = None) -> ModelConfig:
@@ -114,6 +156,7 @@ def model_config_from_hf(hf_config: dict[str, Any], hf_path: str | None = None) 
         rms_norm_eps=float(hf_config.get("rms_norm_eps", family.rms_norm_eps_default)),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", family.tie_word_embeddings_default)),
         hf_path=hf_path,
+        **_moe_fields_from_hf(hf_config, family.moe),
     )
 
 
@@ -148,6 +191,7 @@ def hf_config_from_model_config(
         dtype=dtype,
     )
     out.update(family.hf_fixed_keys)
+    out.update(_moe_fields_to_hf(cfg, family.moe))
     if family.hf_writes_head_dim or head_dim(cfg) != cfg.hidden_size // cfg.num_attention_heads:
         out["head_dim"] = head_dim(cfg)
     out.setdefault("use_cache", True)

@@ -9,6 +9,8 @@ makes it exist (config/families.py). Rules from the HF model configs section 4 a
     split of the full interleaved tensor is a plain dim-0 chunk (naive cat([q, k, v]) is the known bug).
   * linear_fc1 = cat([gate_proj, up_proj]) (TP shards it with stride 2: rank t holds [gate_t; up_t]).
   * QK-norm (Qwen3): q_norm / k_norm are megatron's q_layernorm / k_layernorm, one head's dim each.
+  * Mixture of experts (Qwen3-MoE): mlp.gate is the router; expert e's gate/up/down projections are the
+    `local_experts.{e}` MLP's linear_fc1 / linear_fc2 (e global; EP ranks hold slices, model/param_layout.py).
   * The vocabulary is zero-padded as `config.derived.padded_vocab_size` pads it on import and trimmed
     on export.
 Names: local spec (`decoder.layers.{i}.input_layernorm.weight`) and TE spec
@@ -26,12 +28,14 @@ from exgrpo_megatron.config.derived import head_dim, padded_vocab_size
 from exgrpo_megatron.config.families import ModelFamily, family_of
 from exgrpo_megatron.config.schema import ModelConfig
 from exgrpo_megatron.convert.hf_config import UnsupportedArchitectureError
+from exgrpo_megatron.model.moe import expert_ffn_hidden_size
 from exgrpo_megatron.model.param_layout import (
     EMBEDDING,
     FINAL_NORM,
     OUTPUT,
     canonical_name,
     pad_vocab,
+    split_expert_name,
     split_layer_name,
 )
 
@@ -41,6 +45,17 @@ IGNORABLE_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def _always(family: ModelFamily) -> bool:
     return True
+
+
+def _dense(family: ModelFamily) -> bool:
+    return family.moe is None
+
+
+def _moe(family: ModelFamily) -> bool:
+    return family.moe is not None
+
+
+_EXPERT = "mlp.experts.local_experts.*"
 
 
 @dataclass(frozen=True)
@@ -72,9 +87,16 @@ LAYER_TENSORS: tuple[LayerTensor, ...] = (
                 lambda c: (c.hidden_size, c.num_attention_heads * head_dim(c))),
     LayerTensor("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "one", lambda c: (c.hidden_size,)),
     LayerTensor("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1",
-                lambda c: (2 * c.ffn_hidden_size, c.hidden_size)),
+                lambda c: (2 * c.ffn_hidden_size, c.hidden_size), present=_dense),
     LayerTensor("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "one",
-                lambda c: (c.hidden_size, c.ffn_hidden_size)),
+                lambda c: (c.hidden_size, c.ffn_hidden_size), present=_dense),
+    # Mixture of experts (model/moe.py): the router, and expert * (a global expert index in both names).
+    LayerTensor("mlp.router.weight", ("mlp.gate.weight",), "one", lambda c: (c.num_experts, c.hidden_size),
+                present=_moe),
+    LayerTensor(f"{_EXPERT}.linear_fc1.weight", ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"),
+                "fc1", lambda c: (2 * expert_ffn_hidden_size(c), c.hidden_size), present=_moe),
+    LayerTensor(f"{_EXPERT}.linear_fc2.weight", ("mlp.experts.*.down_proj.weight",), "one",
+                lambda c: (c.hidden_size, expert_ffn_hidden_size(c)), present=_moe),
 )
 _BY_SUFFIX = {t.megatron: t for t in LAYER_TENSORS}
 
@@ -85,13 +107,17 @@ def layer_tensors(cfg: ModelConfig) -> list[LayerTensor]:
     return [t for t in LAYER_TENSORS if t.present(family)]
 
 
-def _layer_tensor(name: str, cfg: ModelConfig) -> tuple[int, LayerTensor]:
-    """(layer, table row) of a canonical decoder-layer name that `cfg`'s family has; KeyError otherwise."""
+def _layer_tensor(name: str, cfg: ModelConfig) -> tuple[int, LayerTensor, tuple[str, ...]]:
+    """(layer, table row, the HF names under `model.layers.{layer}.`) of a canonical decoder-layer name that
+    `cfg`'s family has; KeyError otherwise."""
     layer, suffix = split_layer_name(name)
-    row = _BY_SUFFIX.get(suffix)
+    expert, generic = split_expert_name(suffix)
+    row = _BY_SUFFIX.get(generic)
     if layer is None or row is None or not row.present(family_of(cfg.family)):
         raise KeyError(f"unknown megatron parameter {name!r} for model family {cfg.family!r}")
-    return layer, row
+    if expert is not None and expert >= cfg.num_experts:
+        raise KeyError(f"megatron parameter {name!r}: expert {expert} of {cfg.num_experts}")
+    return layer, row, tuple(h.replace("*", str(expert)) for h in row.hf)
 
 
 def megatron_param_names(cfg: ModelConfig) -> list[str]:
@@ -99,7 +125,9 @@ def megatron_param_names(cfg: ModelConfig) -> list[str]:
     rows = layer_tensors(cfg)
     names = [EMBEDDING]
     for i in range(cfg.num_layers):
-        names += [f"decoder.layers.{i}.{t.megatron}" for t in rows]
+        for t in rows:
+            experts = range(cfg.num_experts) if "*" in t.megatron else [None]
+            names += [f"decoder.layers.{i}.{t.megatron.replace('*', str(e))}" for e in experts]
     names.append(FINAL_NORM)
     if not cfg.tie_word_embeddings:
         names.append(OUTPUT)
@@ -150,7 +178,7 @@ def megatron_to_hf(name: str, full_tensor: torch.Tensor, cfg: ModelConfig) -> li
     if name == FINAL_NORM:
         return [("model.norm.weight", full_tensor)]
     try:
-        layer, row = _layer_tensor(name, cfg)
+        layer, row, hf_names = _layer_tensor(name, cfg)
     except KeyError:
         raise UnsupportedArchitectureError(f"megatron parameter {name!r} has no HF {cfg.family} equivalent") from None
     if row.join == "qkv":
@@ -159,7 +187,7 @@ def megatron_to_hf(name: str, full_tensor: torch.Tensor, cfg: ModelConfig) -> li
         parts = tuple(torch.chunk(full_tensor, 2, dim=0))
     else:
         parts = (full_tensor,)
-    return [(f"model.layers.{layer}.{hf}", t) for hf, t in zip(row.hf, parts, strict=True)]
+    return [(f"model.layers.{layer}.{hf}", t) for hf, t in zip(hf_names, parts, strict=True)]
 
 
 # ---------------------------------------------------------------- HF -> megatron
@@ -172,8 +200,8 @@ def hf_names_for(name: str, cfg: ModelConfig) -> list[str]:
         return ["lm_head.weight"]
     if name == FINAL_NORM:
         return ["model.norm.weight"]
-    layer, row = _layer_tensor(name, cfg)
-    return [f"model.layers.{layer}.{hf}" for hf in row.hf]
+    layer, _, hf_names = _layer_tensor(name, cfg)
+    return [f"model.layers.{layer}.{hf}" for hf in hf_names]
 
 
 def hf_to_megatron(name: str, hf_tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_size: int = 1
@@ -186,7 +214,7 @@ def hf_to_megatron(name: str, hf_tensors: Mapping[str, torch.Tensor], cfg: Model
         return pad_vocab(srcs[0], cfg, tp_size)
     if name == FINAL_NORM:
         return srcs[0]
-    _, row = _layer_tensor(name, cfg)
+    row = _layer_tensor(name, cfg)[1]
     if row.join == "qkv":
         q, k, v = srcs
         return interleave_qkv(q, k, v, *_qkv_dims(cfg))

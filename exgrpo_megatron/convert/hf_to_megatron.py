@@ -49,22 +49,20 @@ def check_hf_tensors(src: SafetensorsSource, cfg: ModelConfig) -> None:
 def plan_chunks(src: SafetensorsSource, cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> list[ChunkSpec]:
     """One ChunkSpec per megatron parameter (per layer for decoder layers), produced lazily from `src`."""
 
-    def producer(name: str, layered: bool):
+    def producer(name: str, leading_axes: int):
         def produce() -> torch.Tensor:
             hf = {n: src.get(n) for n in hf_names_for(name, cfg)}
             t = hf_to_megatron(name, hf, cfg, tp_size).to(dtype)
-            return t.unsqueeze(0) if layered else t
+            return t.reshape((1,) * leading_axes + t.shape)
         return produce
 
     chunks = []
     for name in megatron_param_names(cfg):
-        key, layer = sharded_key(name)
+        key, index = sharded_key(name)
         shape = megatron_shape(name, cfg, tp_size)
-        if layer is None:
-            chunks.append(ChunkSpec(key, shape, (0,) * len(shape), shape, dtype, producer(name, False)))
-        else:
-            chunks.append(ChunkSpec(key, (cfg.num_layers, *shape), (layer,) + (0,) * len(shape), (1, *shape),
-                                    dtype, producer(name, True)))
+        leading = (cfg.num_layers, cfg.num_experts)[:len(index)]  # a layer's tensor; one expert's of a layer
+        chunks.append(ChunkSpec(key, (*leading, *shape), index + (0,) * len(shape), (1,) * len(index) + shape,
+                                dtype, producer(name, len(index))))
     return chunks
 
 
@@ -93,7 +91,7 @@ def convert_hf_to_megatron(hf_dir: str, out_dir: str, tp_size: int = 1, pp_size:
         from tqdm import tqdm
 
         bar = tqdm(total=len(chunks), desc="hf->megatron", unit="tensor")
-    write_dist_checkpoint(model_dir, chunks, layer_extra_state_keys(cfg.num_layers),
+    write_dist_checkpoint(model_dir, chunks, layer_extra_state_keys(cfg.num_layers, cfg.num_experts),
                           on_item=(lambda _key: bar.update(1)) if bar else None)
     if bar:
         bar.close()

@@ -58,13 +58,14 @@ def resolve_checkpoint(path: str, model_config: str | None = None) -> tuple[str,
 def check_shapes(reader: DistCheckpointReader, cfg: ModelConfig) -> None:
     """Stored global shapes must match the ModelConfig (the vocabulary may carry any padding >= vocab_size)."""
     for name in megatron_param_names(cfg):
-        key, layer = sharded_key(name)
+        key, index = sharded_key(name)
         stored = tuple(reader.tensor_meta(key).size)
         expected = megatron_shape(name, cfg)
-        if layer is not None:
-            stored_layers, stored = stored[0], stored[1:]
-            if stored_layers != cfg.num_layers:
-                raise ValueError(f"{key}: checkpoint has {stored_layers} layers, model_config says {cfg.num_layers}")
+        if index:
+            leading, stored = stored[:len(index)], stored[len(index):]
+            if leading != (cfg.num_layers, cfg.num_experts)[:len(index)]:
+                raise ValueError(f"{key}: checkpoint has {leading} (layers, experts), model_config says "
+                                 f"{cfg.num_layers} layers, {cfg.num_experts} experts")
         if name in VOCAB_PARALLEL:
             ok = stored[1:] == expected[1:] and stored[0] >= cfg.vocab_size
         else:
@@ -102,16 +103,17 @@ def convert_megatron_to_hf(ckpt_path: str, out_dir: str, dtype: str = "bf16", to
     for names in groups:
         requests = []
         for name in names:
-            key, layer = sharded_key(name)
+            key, index = sharded_key(name)
             size = tuple(reader.tensor_meta(key).size)
-            if layer is None:
+            if not index:
                 shape = (cfg.vocab_size, *size[1:]) if name in VOCAB_PARALLEL else size
                 requests.append((key, (0,) * len(size), shape))
             else:
-                requests.append((key, (layer,) + (0,) * (len(size) - 1), (1, *size[1:])))
+                requests.append((key, index + (0,) * (len(size) - len(index)), (1,) * len(index) + size[len(index):]))
         tensors = reader.read_regions(requests, dtype=torch_dtype)
         for name, t in zip(names, tensors, strict=True):
-            full = t if split_layer_name(name)[0] is None else t[0]
+            n_leading = len(sharded_key(name)[1])
+            full = t.reshape(t.shape[n_leading:])
             for hf_name, hf_tensor in megatron_to_hf(name, full, cfg):
                 writer.add(hf_name, hf_tensor)
     files = writer.close()

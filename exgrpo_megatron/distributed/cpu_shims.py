@@ -49,10 +49,11 @@ def _on_cpu(factory):
 
 
 class _NullStream:
+    def __init__(self, *a, **k): ...
     def wait_event(self, *a, **k): ...
     def wait_stream(self, *a, **k): ...
     def synchronize(self): ...
-    def record_event(self, *a, **k): return None
+    def record_event(self, *a, **k): return _WallClockEvent()
 
 
 class _WallClockEvent:
@@ -126,4 +127,42 @@ def apply() -> bool:
     import megatron.core.inference.communication_utils as comm_utils
 
     comm_utils._is_cuda = lambda tensor: None
+    _apply_moe_shims(cuda)
     return True
+
+
+class _NullStreamContext:
+    def __init__(self, *a, **k): ...
+    def __enter__(self): return None
+    def __exit__(self, *exc): return False
+
+
+def _apply_moe_shims(cuda: Any) -> None:
+    """Mixture-of-experts layers (model/moe.py) on CPU, over gloo."""
+    from megatron.core.transformer.moe import moe_utils, router
+
+    # The router's gating GEMM (moe_utils.RouterGatingLinearFunction) tests `te_general_gemm is not None`, but the
+    # name is only bound when Transformer Engine imports: `NameError: name 'te_general_gemm' is not defined` on the
+    # first MoE forward. None selects its torch matmul path.
+    for module in (moe_utils, router):
+        if not hasattr(module, "te_general_gemm"):
+            module.te_general_gemm = None
+    # The alltoall token dispatcher creates a side stream for its device-to-host copies in __init__
+    # (`RuntimeError: torch.cuda.Stream requires CUDA support`), enters it with `torch.cuda.stream(...)` and waits on
+    # the event the stream records (`self.d2h_event.synchronize()`: 'NoneType' object has no attribute
+    # 'synchronize' with a stream that records none): a null stream whose record_event returns a (wall-clock) event.
+    cuda.Stream = _NullStream
+    cuda.stream = _NullStreamContext
+    # The alltoall dispatcher's split sizes become numpy arrays only when `maybe_move_tensor_to_cpu(..., as_numpy=True)`
+    # moves them off a GPU; CPU tensors stay tensors and torch's all_to_all_single refuses them
+    # (`TypeError: all_to_all_single(): incompatible function arguments`): convert them as on GPU.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    moved = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_cpu_as_on_gpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return moved(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_cpu_as_on_gpu

@@ -1,7 +1,8 @@
 """Start and stop torch.distributed and megatron's parallel state; seed every RNG per rank.
 
 GPU: NCCL, one device per local rank. CPU: gloo with the CPU shims applied first. The world is
-split into DP replicas of TP x PP (x CP) ranks by `megatron.core.parallel_state`.
+split into DP replicas of TP x PP (x CP) ranks by `megatron.core.parallel_state`, and for MoE layers
+into expert groups of EP (x ETP) ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class ParallelLayout:
     dp_rank: int
     dp_size: int
     device: torch.device
+    ep_rank: int = 0  # expert parallelism (MoE): which slice of the experts this rank holds
+    ep_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -68,9 +71,12 @@ def init_distributed(
     seed: int = 1234,
     env: LaunchEnv | None = None,
     timeout_minutes: int = 30,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
 ) -> ParallelLayout:
-    """Initialise the default process group and megatron's TP/PP/DP groups; idempotent. From here on every child
-    this process forks (megatron's checkpoint writers) dies with it (distributed/lifetime.py)."""
+    """Initialise the default process group and megatron's TP/PP/DP groups; idempotent. MoE models: the experts'
+    own grid, PP x ETP x EP x expert-DP over the same ranks (EP taken from the dense DP x CP ranks). From here on
+    every child this process forks (megatron's checkpoint writers) dies with it (distributed/lifetime.py)."""
     cpu_shims.apply()
     lifetime.install_fork_hooks()
     from megatron.core import parallel_state as ps
@@ -102,6 +108,8 @@ def init_distributed(
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
             context_parallel_size=context_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
         )
     # Same data-independent seed on all ranks of a replica; megatron forks per-TP-rank streams.
     seed_everything(seed)
@@ -131,6 +139,8 @@ def current_layout() -> ParallelLayout:
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
         device=device(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
     )
 
 

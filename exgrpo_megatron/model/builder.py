@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from exgrpo_megatron.config.derived import head_dim, padded_vocab_size, resolve_params_dtype
 from exgrpo_megatron.config.families import family_of
 from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
+from exgrpo_megatron.model.moe import is_moe, moe_transformer_config, per_micro_batch_router_losses
 
 ACTIVATIONS = {"silu": F.silu}  # a family's activation -> the gated MLP's function
 
@@ -84,6 +85,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
         recompute_num_layers=1 if cfg.recompute_activations else None,
         # Loss is a global token sum we normalise ourselves (algo/aggregation.py).
         calculate_per_token_loss=True,
+        **moe_transformer_config(cfg, parallel),
     )
 
 
@@ -94,9 +96,10 @@ def layer_spec(cfg: ModelConfig, tcfg=None, vp_stage: int | None = None):
     from megatron.core.models.gpt import gpt_layer_specs
 
     family = family_of(cfg.family)
+    moe = {"num_experts": cfg.num_experts if is_moe(cfg) else None, "qk_layernorm": family.qk_norm}
     if resolve_layer_spec(cfg) == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_norm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=family.normalization, qk_layernorm=family.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=cfg.moe_grouped_gemm, **moe)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=family.normalization, **moe)
     if cfg.core_attention == "sdpa":
         from exgrpo_megatron.model.sdpa_attention import SDPADotProductAttention
 
@@ -149,6 +152,7 @@ def build_gpt_model(
         rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+    per_micro_batch_router_losses(model)
     # The local spec's torch norms are created in fp32 whatever params_dtype says; a bf16 model with fp32 norms
     # breaks megatron's Float16 optimizer, whose checkpoint maps state to params assuming every one is 16-bit.
     for p in model.parameters():

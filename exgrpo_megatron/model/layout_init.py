@@ -3,8 +3,8 @@
 Megatron draws each pipeline stage's initial weights from that stage's own RNG stream, so a PP=2
 model starts from other weights than a PP=1 model with the same seed. For runs that start from
 scratch (tests, the demo) every parameter is instead drawn from a generator seeded by
-(seed, its layout-independent global name, model/param_layout.py) as a full tensor and this rank's
-TP slice is kept:
+(seed, its layout-independent global name, model/param_layout.py: an expert's name carries its global expert
+index, so EP ranks draw the experts of EP=1) as a full tensor and this rank's TP (experts: ETP) slice is kept:
 weights ~ N(0, std), output projections (linear_proj, linear_fc2) ~ N(0, std / sqrt(2 L))
 (megatron's scaled init), norms = 1, biases = 0.
 """
@@ -17,7 +17,13 @@ import math
 import torch
 
 from exgrpo_megatron.config.schema import ModelConfig
-from exgrpo_megatron.model.param_layout import named_global_params, tp_full_shape, tp_shard, tp_split_of_param
+from exgrpo_megatron.model.param_layout import (
+    named_global_params,
+    tp_coords,
+    tp_full_shape,
+    tp_shard,
+    tp_split_of_param,
+)
 
 
 def _seed(seed: int, name: str) -> int:
@@ -26,10 +32,8 @@ def _seed(seed: int, name: str) -> int:
 
 def initialise(modules: list[torch.nn.Module], cfg: ModelConfig, seed: int) -> None:
     """Draw every parameter of this rank's model chunks `modules` from (seed, its global name)."""
-    from megatron.core import parallel_state as ps
-
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for name, p in named_global_params(modules, tied_copy=True):  # the tied output layer gets the embedding
+        tp, tp_rank = tp_coords(name)
         split = tp_split_of_param(p)
         shape = tp_full_shape(p.shape, split, tp)
         if "norm" in name or name.endswith("layer_norm_weight"):

@@ -37,6 +37,11 @@ EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# MoE layers: expert j's SwiGLU MLP. Canonical (SequentialMLP, local spec):
+# `mlp.experts.local_experts.{j}.linear_fc1.weight`; TE's grouped GEMM names the same matrix
+# `mlp.experts.linear_fc1.weight{j}`. In a global name j is the global expert.
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 # TE fused-norm names -> local-spec names (the TE names are also the dist-checkpoint keys).
 TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -53,7 +58,37 @@ def canonical_name(name: str) -> str:
     m = _LAYER_RE.match(name)
     if m and m.group(2) in TE_TO_LOCAL:
         return f"decoder.layers.{m.group(1)}.{TE_TO_LOCAL[m.group(2)]}"
+    g = _GROUPED_EXPERT_RE.match(m.group(2)) if m else None
+    if m and g:
+        return f"decoder.layers.{m.group(1)}.mlp.experts.local_experts.{g.group(2)}.{g.group(1)}.weight"
     return name
+
+
+def split_expert_name(suffix: str) -> tuple[int | None, str]:
+    """(expert index or None, the expert-independent suffix `mlp.experts.local_experts.*.<rest>`) of a layer suffix."""
+    m = _EXPERT_RE.match(suffix)
+    return (int(m.group(1)), f"mlp.experts.local_experts.*.{m.group(2)}") if m else (None, suffix)
+
+
+def is_expert_param(name: str) -> bool:
+    """A parameter of one expert (sharded over EP, and over ETP instead of TP)."""
+    return split_expert_name(split_layer_name(canonical_name(name))[1])[0] is not None
+
+
+def tp_coords(name: str) -> tuple[int, int]:
+    """(size, rank) of the group that TP-shards parameter `name`: expert TP for experts, else TP."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert_param(name):
+        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def local_expert_offset(num_experts: int) -> int:
+    """Global index of this rank's first local expert: EP rank r holds experts r * E / EP, ... (megatron-core)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank() * (num_experts // ps.get_expert_model_parallel_world_size())
 
 
 def split_layer_name(name: str) -> tuple[int | None, str]:
@@ -77,11 +112,17 @@ def layer_offset(num_layers: int, pp_size: int, pp_rank: int, vpp_size: int | No
     return vp_stage * (num_layers // vpp_size) + pp_rank * (num_layers // chunks)
 
 
-def global_param_name(local_name: str, offset: int) -> str:
-    """Canonical global name of a chunk's parameter whose first layer is global layer `offset`."""
+def global_param_name(local_name: str, offset: int, expert_offset: int = 0) -> str:
+    """Canonical global name of a chunk's parameter whose first layer is global layer `offset` (and whose first
+    local expert is global expert `expert_offset`)."""
     name = canonical_name(local_name)
     layer, suffix = split_layer_name(name)
-    return name if layer is None else f"decoder.layers.{layer + offset}.{suffix}"
+    if layer is None:
+        return name
+    expert, generic = split_expert_name(suffix)
+    if expert is not None:
+        suffix = generic.replace("*", str(expert + expert_offset))
+    return f"decoder.layers.{layer + offset}.{suffix}"
 
 
 def unwrap_chunk(chunk: torch.nn.Module) -> Any:
@@ -118,9 +159,10 @@ def named_global_params(chunks: Sequence[torch.nn.Module], *, tied_copy: bool
     for chunk in chunks:
         gpt = unwrap_chunk(chunk)
         offset = chunk_layer_offset(gpt)
+        experts = local_expert_offset(gpt.config.num_moe_experts) if gpt.config.num_moe_experts else 0
         tied = bool(getattr(gpt, "share_embeddings_and_output_weights", False))
         for local_name, param in gpt.named_parameters():
-            name = global_param_name(local_name, offset)
+            name = global_param_name(local_name, offset, experts)
             if name == OUTPUT and tied:
                 if not tied_copy:
                     continue
@@ -152,6 +194,9 @@ _LAYER_SPLITS: dict[str, TPSplit | None] = {
     "self_attention.linear_proj.weight": ROW,
     "mlp.linear_fc1.weight": SWIGLU,
     "mlp.linear_fc2.weight": ROW,
+    "mlp.router.weight": None,
+    "mlp.experts.local_experts.*.linear_fc1.weight": SWIGLU,
+    "mlp.experts.local_experts.*.linear_fc2.weight": ROW,
 }
 VOCAB_PARALLEL = (EMBEDDING, OUTPUT)
 
@@ -164,6 +209,7 @@ def tp_split_of_name(name: str) -> TPSplit | None:
     if name == FINAL_NORM:
         return None
     layer, suffix = split_layer_name(name)
+    suffix = split_expert_name(suffix)[1]
     if layer is None or suffix not in _LAYER_SPLITS:
         raise KeyError(f"unknown megatron parameter {name!r}")
     return _LAYER_SPLITS[suffix]

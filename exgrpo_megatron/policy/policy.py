@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -25,8 +26,10 @@ from exgrpo_megatron.config.derived import updates_per_step
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.threads import torch_threads, train_threads_from_env
 from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
+from exgrpo_megatron.model.expert_load import ExpertLoad
 from exgrpo_megatron.model.layout_init import initialise
 from exgrpo_megatron.policy.batch import MicroBatch, forward_inputs
+from exgrpo_megatron.policy.expert_sync import equalise_micro_batch_count, is_padding, router_losses_off
 from exgrpo_megatron.policy.output_layer import LastStageOutput, stop_before_output_layer
 
 if TYPE_CHECKING:
@@ -67,6 +70,7 @@ class Policy:
         # megatron's local DotProductAttention is given the causal mask; sdpa and TE take None (causal kernel)
         self.use_mask = resolve_layer_spec(cfg.model) == "local" and cfg.model.core_attention == "megatron"
         self.tokens_run = self.padding_run = 0  # token slots through the model / of them padding, since taken
+        self._counting_load = False  # forward_backward of a training update: the MoE routers' loads are counted
         tcfg = self.modules[0].config
         tcfg.variable_seq_lengths = True  # micro-batches differ in length and rows
         ddp_cfg = DistributedDataParallelConfig(
@@ -103,6 +107,9 @@ class Policy:
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.train_threads = train_threads_from_env(cfg.trainer.train_threads, dist.get_world_size())
+        # MoE with EP > 1: the EP ranks hold different data but run every forward together (policy/expert_sync.py)
+        self.ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+        self.expert_load = ExpertLoad(self.modules)  # MoE: tokens per expert of the training updates
 
     # ---------------------------------------------------------------- weights
     def mark_weights_changed(self) -> None:
@@ -135,12 +142,15 @@ class Policy:
                       data_iterator: Iterator[MicroBatch], model: Any
                       ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[Any, ...]]]:
         mb: MicroBatch = next(data_iterator)
-        with stop_before_output_layer(model, self.fused_output_logprobs) as output_weight:
+        with stop_before_output_layer(model, self.fused_output_logprobs) as output_weight, \
+                (router_losses_off(self.modules[0].config) if is_padding(mb) else nullcontext()), \
+                self.expert_load.counting(self._counting_load and not is_padding(mb)):
             output = model(**forward_inputs(mb, causal_mask=self.use_mask))
 
         def loss_func(model_output: torch.Tensor) -> tuple[Any, ...]:
             loss, metrics = loss_fn(LastStageOutput(model_output, output_weight), mb)
-            collect.append({k: v.detach() for k, v in metrics.items()})
+            if not is_padding(mb):
+                collect.append({k: v.detach() for k, v in metrics.items()})
             return loss, torch.tensor(mb.num_tokens, dtype=torch.int), {}
 
         return output, loss_func
@@ -152,10 +162,13 @@ class Policy:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         device = next(self.modules[0].parameters()).device
+        if self.ep_group is not None:
+            micro_batches = equalise_micro_batch_count(micro_batches, self.ep_group, self.sequence_packing)
         micro_batches = [mb.to(device) for mb in micro_batches]
         self.tokens_run += sum(mb.tokens.numel() for mb in micro_batches)
         self.padding_run += sum(mb.padding_tokens for mb in micro_batches)
         collect: list[dict[str, torch.Tensor]] = []
+        self._counting_load = not forward_only
         n = len(micro_batches)
         iterators = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
         with torch_threads(self.train_threads):  # this rank's cores (the grader pool is idle; distributed/threads.py)
@@ -168,7 +181,7 @@ class Policy:
                 micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
                 forward_only=forward_only,
             )
-        return self._broadcast_from_last_stage(collect, n)
+        return self._broadcast_from_last_stage(collect, len(collect))
 
     def _broadcast_from_last_stage(self, collect: list[dict[str, torch.Tensor]], n: int
                                    ) -> list[dict[str, torch.Tensor]]:

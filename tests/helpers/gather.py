@@ -7,17 +7,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.model.param_layout import named_global_params, tp_shard, tp_split_of_param, tp_unshard
+from exgrpo_megatron.model.param_layout import (
+    is_expert_param,
+    named_global_params,
+    tp_coords,
+    tp_shard,
+    tp_split_of_param,
+    tp_unshard,
+)
 
 
-def _gather_tp(t: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+def _gather_tp(t: torch.Tensor, param: torch.nn.Parameter, name: str) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
-    tp, split = ps.get_tensor_model_parallel_world_size(), tp_split_of_param(param)
+    tp, split = tp_coords(name)[0], tp_split_of_param(param)
     if tp == 1 or split is None:
         return t
+    group = ps.get_expert_tensor_parallel_group() if is_expert_param(name) else ps.get_tensor_model_parallel_group()
     parts = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(parts, t.contiguous(), group=group)
     return tp_unshard(parts, split)
 
 
@@ -30,7 +38,12 @@ def full_tensors(modules: list[torch.nn.Module], what: str = "data") -> dict:
     local: dict[str, torch.Tensor] = {}
     for name, p in named_global_params(modules, tied_copy=False):
         t = p.main_grad if what == "grad" else p.data  # type: ignore[attr-defined]  # DDP sets main_grad
-        local[name] = _gather_tp(t.detach().float(), p).clone()
+        local[name] = _gather_tp(t.detach().float(), p, name).clone()
+    if ps.get_expert_model_parallel_world_size() > 1:  # each EP rank holds other experts
+        experts: list = [None] * ps.get_expert_model_parallel_world_size()
+        dist.all_gather_object(experts, {k: v for k, v in local.items() if is_expert_param(k)},
+                               group=ps.get_expert_model_parallel_group())
+        local.update({k: v for d in experts for k, v in d.items()})
     if pp == 1:
         return local
     gathered: list = [None] * pp
@@ -41,9 +54,8 @@ def full_tensors(modules: list[torch.nn.Module], what: str = "data") -> dict:
 def load_full_tensors(modules: list[torch.nn.Module], full: dict) -> None:
     """Set every local parameter from TP=1/PP=1-named full tensors (slicing this rank's TP part).
     A tied output layer on the last pipeline stage takes the word embedding."""
-    from megatron.core import parallel_state as ps
 
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for name, p in named_global_params(modules, tied_copy=True):
+        tp, rank = tp_coords(name)
         with torch.no_grad():
             p.data.copy_(tp_shard(full[name], tp_split_of_param(p), tp, rank).to(p.dtype))
