@@ -13,7 +13,6 @@ from exgrpo_megatron.config.derived import updates_per_step
 from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
-from exgrpo_megatron.data.answer_check import require_parsable_answers
 from exgrpo_megatron.data.datasets import PromptDataset
 from exgrpo_megatron.data.sampler import PromptSampler
 from exgrpo_megatron.data.synthetic import arithmetic_split_datasets
@@ -23,6 +22,7 @@ from exgrpo_megatron.distributed.runtime import ParallelLayout
 from exgrpo_megatron.experience.schedule import ExperienceSchedule
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
 from exgrpo_megatron.policy.policy import Policy
+from exgrpo_megatron.reward.answer_check import require_parsable_answers
 from exgrpo_megatron.reward.grader import GraderPool
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
 from exgrpo_megatron.rollout_service import RolloutService

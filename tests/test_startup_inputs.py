@@ -88,7 +88,7 @@ def _dataset_with_answers(tmp_path: Path, answers: list[str]):
 
 
 def test_gold_answers_that_do_not_parse_are_counted_then_refused_above_the_threshold(tmp_path, caplog):
-    from exgrpo_megatron.data.answer_check import UnparsableAnswersError, require_parsable_answers
+    from exgrpo_megatron.reward.answer_check import UnparsableAnswersError, require_parsable_answers
 
     answers = ["7", "\\frac{1}{2}", "[[[", "x^2+1", "$$", "42", "0.5", "\\sqrt{2}", "3", "[[["]
     dataset = _dataset_with_answers(tmp_path, answers)
