@@ -296,13 +296,15 @@ def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
         f"{math.ceil(seqs_per_update_rank / seqs_per_micro)} micro-batch(es) of <= {t.micro_batch_max_tokens} tokens",
     ]
     if replays:
-        n_exp = int(t.train_batch_size * t.experience_ratio)
-        start = (f"once batch pass rate > {t.delayed_start_pass_rate}" if t.delayed_start_pass_rate > 0
+        x = cfg.experience
+        n_exp = int(t.train_batch_size * x.ratio)
+        start = (f"once batch pass rate > {x.delayed_start_pass_rate}" if x.delayed_start_pass_rate > 0
                  else "from step 1 (delayed start disabled)")
-        lines.append(f"  experience replay: mixed phase {start}: up to {n_exp} replayed + "
-                     f"{t.train_batch_size - n_exp} fresh prompts (rho={t.experience_ratio}; "
-                     f"replayable iff {t.replayable_correct_above} < correct <= {t.replayable_correct_at_most} "
-                     f"of {r.n})")
+        fresh = t.train_batch_size - n_exp if x.placement == "displace" else t.train_batch_size
+        lines.append(f"  experience replay ({x.placement}): mixed phase {start}: up to {n_exp} replayed + "
+                     f"{fresh} fresh prompts (rho={x.ratio}; enter iff {x.admit_correct_above} < correct <= "
+                     f"{x.admit_correct_at_most} of {r.n}, retire above {x.retire_above(r.n)}"
+                     + (f", trajectories replayed up to {x.max_age_steps} steps old)" if x.max_age_steps else ")"))
     else:
         lines.append(f"  experience replay: off (on-policy {cfg.algo.name})")
     return lines
