@@ -72,7 +72,7 @@ def analyse_recipes(root: str, recipes: dict, weak: dict, matched: dict, best: d
         if name in matched:
             others["matched " + matched[name]] = _runs(root, matched[name], lr["grpo"], seeds)
         for other, other_runs in others.items():
-            if other_runs and not name.startswith(other):
+            if other_runs and name != other:
                 row["versus"][other] = {"per_step": fa.paired_difference(runs, other_runs),
                                         "per_trajectory": per_trajectory(runs, other_runs, threshold)}
         out["per_recipe"][name] = row
