@@ -83,7 +83,9 @@ WEAK_START: dict[str, list[str]] = {f"weak_{arm}": [*ov, *WEAK_START_OVERRIDES] 
 #   recipe can replay); this protocol's steps are the paper's (720 ~ 700, 2 updates each);
 # * grpo_b12 / grpo_b10: on-policy GRPO generating what append does per mixed step (B = 8: append rho 0.5 generates
 #   8 x 8 + 4 x 7 = 92 trajectories, GRPO at B = 12 96; rho 0.25: 78, GRPO at B = 10 80), 2 updates per step;
-# * weak_<recipe>: each replay recipe from the weak start (WEAK_START_OVERRIDES), beside weak_grpo.
+# * grpo_same_code / exgrpo_same_code: the two arms again at this code version (their records above were made at an
+#   earlier one; one code version per comparison), the baselines the analysis pairs the recipes with;
+# * weak_<recipe>: each replay recipe and the same-code baselines from the weak start (WEAK_START_OVERRIDES).
 TIS_REPLAY = ["algo.policy_shaping=false", "algo.replay_tis_cap=2"]
 RECIPES: dict[str, list[str]] = {
     "append_rho_0.5": ["experience.placement=append", "experience.ratio=0.5"],
@@ -92,6 +94,7 @@ RECIPES: dict[str, list[str]] = {
     "exgrpo_age_200": ["experience.max_age_steps=200"],
     "grpo_b12": ["algo.name=grpo", "trainer.train_batch_size=12", "trainer.ppo_mini_batch_size=6"],
     "grpo_b10": ["algo.name=grpo", "trainer.train_batch_size=10", "trainer.ppo_mini_batch_size=5"],
+    **{f"{arm}_same_code": ov for arm, ov in ARMS.items()},
 }
 # the on-policy arm generating as much per step as each append recipe (the analysis pairs them)
 MATCHED_GRPO = {"append_rho_0.5": "grpo_b12", "append_rho_0.25": "grpo_b10"}
@@ -99,7 +102,7 @@ MATCHED_GRPO = {"append_rho_0.5": "grpo_b12", "append_rho_0.25": "grpo_b10"}
 # throughout, at GRPO's best rate and the stability rate, where unclipped ExGRPO falls behind.
 DIAGNOSES: dict[str, list[str]] = {"exgrpo_mixed_clip": ["algo.mixed_phase_clip=true"]}
 WEAK_RECIPES: dict[str, list[str]] = {f"weak_{name}": [*ov, *WEAK_START_OVERRIDES] for name, ov in RECIPES.items()
-                                      if not name.startswith("grpo")}
+                                      if not name.startswith("grpo_b")}
 PHASES = ("sweep", "final", "ablation", "weak_start", "stability", "diagnosis", "recipes")
 PROTOCOLS: dict[str, dict] = {
     "paper_ratio": dict(config_name="paper_ratio_cpu", root="bench_paper_ratio", records="paper_ratio_runs",
@@ -190,10 +193,9 @@ def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> lis
             for name in ABLATIONS:
                 add(phase, name, best_lr["exgrpo"], args.ablation_seeds)
         if phase == "recipes":
-            for name in RECIPES:
-                add(phase, name, best_lr["grpo" if name.startswith("grpo") else "exgrpo"], args.seeds)
-            for name in WEAK_RECIPES:
-                add(phase, name, best_lr["exgrpo"], args.seeds)
+            for name in [*RECIPES, *WEAK_RECIPES]:  # each at the rate the sweep chose for its algorithm
+                add(phase, name, best_lr["grpo" if name.removeprefix("weak_").startswith("grpo") else "exgrpo"],
+                    args.seeds)
         if phase == "diagnosis":
             for name in DIAGNOSES:
                 for lr in (best_lr["grpo"], max(args.lrs) * args.stability_lr_factor):

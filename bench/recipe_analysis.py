@@ -1,6 +1,8 @@
 """Analysis of bench/exgrpo_vs_grpo.py's `recipes` phase: each replay recipe against on-policy GRPO per step and per
 generated trajectory, from the committed records only.
 
+* baselines: GRPO and ExGRPO (the paper's recipe) rerun at the recipes' code version (`<arm>_same_code`) where those
+  runs exist, else the arms' records from their earlier code version (`baseline` says which);
 * per step (equal steps): the test numbers at the end of training (greedy, avg@8 at T = 0.6 and 1.0) and the final
   validation accuracy, paired by seed against GRPO (and against ExGRPO's paper recipe, and, for an append recipe,
   against the GRPO arm that generates as much per step: `matched`);
@@ -59,10 +61,14 @@ def analyse_recipes(root: str, recipes: dict, weak: dict, matched: dict, best: d
     if not best.get("exgrpo") or not best.get("grpo"):
         return {}
     lr = {"exgrpo": best["exgrpo"]["lr"], "grpo": best["grpo"]["lr"]}
-    base = {arm: _runs(root, arm, lr[arm], seeds) for arm in ("exgrpo", "grpo")}
-    out: dict = {"per_recipe": {}, "weak_start": {}}
+    base, out = {}, {"per_recipe": {}, "weak_start": {}, "baseline": {}}
+    for arm in ("exgrpo", "grpo", "weak_grpo"):
+        rate = lr["grpo" if "grpo" in arm and "exgrpo" not in arm else "exgrpo"]
+        same = _runs(root, f"{arm}_same_code", rate, seeds)
+        base[arm] = same or _runs(root, arm, rate, seeds)
+        out["baseline"][arm] = f"{arm}_same_code" if same else f"{arm} (recorded at an earlier code version)"
     curves: dict[str, list[dict]] = {arm: list(runs.values()) for arm, runs in base.items() if runs}
-    for name in recipes:
+    for name in (n for n in recipes if not n.endswith("_same_code")):
         runs = _runs(root, name, lr["grpo" if name.startswith("grpo") else "exgrpo"], seeds)
         if not runs:
             continue
@@ -76,8 +82,8 @@ def analyse_recipes(root: str, recipes: dict, weak: dict, matched: dict, best: d
                 row["versus"][other] = {"per_step": fa.paired_difference(runs, other_runs),
                                         "per_trajectory": per_trajectory(runs, other_runs, threshold)}
         out["per_recipe"][name] = row
-    weak_grpo = _runs(root, "weak_grpo", lr["grpo"], seeds)
-    for name in weak:
+    weak_grpo = base["weak_grpo"]
+    for name in (n for n in weak if n != "weak_grpo_same_code"):
         runs = {s: r for s, r in _runs(root, name, lr["exgrpo"], seeds).items() if "start" in r}
         if runs:
             out["weak_start"][name] = {
@@ -123,7 +129,8 @@ def markdown(summary: dict) -> str:
     trajectory; the weak start."""
     if not summary.get("per_recipe") and not summary.get("weak_start"):
         return "(recipes: no finished runs yet)"
-    lines = ["| recipe | seeds | greedy | avg@8 T=0.6 | avg@8 T=1.0 | val (final) | generated trajectories |",
+    lines = ["baselines: " + "; ".join(summary.get("baseline", {}).values()), "",
+             "| recipe | seeds | greedy | avg@8 T=0.6 | avg@8 T=1.0 | val (final) | generated trajectories |",
              "|---|---|---|---|---|---|---|"]
     for name, row in summary.get("per_recipe", {}).items():
         gen = row["generated_trajectories"]
