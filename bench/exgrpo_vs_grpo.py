@@ -18,6 +18,10 @@ Method:
   delayed start off, both arms at their chosen rates; the warm start itself is evaluated on the test split too
   (start_eval.json), so a run's final accuracy is compared with its start (collapse: below the start, or fresh
   reward 0 over the last 10% of steps);
+* recipes (beyond the paper; `RECIPES`, `WEAK_RECIPES`): append replay, the authors' current recipe, an age bound,
+  GRPO generating as much per step as append, the two arms again at this code version, and the weak start of each,
+  at the rates the sweep chose, on `--seeds`; analysed per step and per generated trajectory
+  (bench/recipe_analysis.py; tables appended to the .md, curves in <out>_recipes.png);
 * stability / diagnosis (fidelity protocol): both arms at `--stability-lr-factor` x the largest rate; ExGRPO with
   its fresh tokens clipped in the mixed phase.
 One precision (the preset pins model.params_dtype) and one code version per comparison: each run records the
@@ -28,7 +32,7 @@ its newest checkpoint (checkpoint.resume=auto). The analysis (bench/fidelity_ana
 Runs that share a warm start (same seed and warm-start settings) share its cache: one trains it, the others wait.
 
     .venv/bin/python bench/exgrpo_vs_grpo.py --plan                  # runs, status, estimated CPU time
-    .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 1  # then final, ablation, weak_start
+    .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 1  # then final, ablation, weak_start, recipes
     .venv/bin/python bench/exgrpo_vs_grpo.py --analyse-only          # tables + JSON + PNG from what exists
     .venv/bin/python bench/exgrpo_vs_grpo.py --protocol fidelity --analyse-only   # the earlier miniature
 """
