@@ -12,9 +12,13 @@ matches when the resumed run's per-step metrics (all but timings), final weights
 step, LR scheduler, trainer state and pool shards are bitwise the reference's.
 steps redone = steps the killed run had logged beyond the checkpoint the resume started from.
 
-Scenarios (`--scenarios`, bench/reliability_trials.py; default all): a second launch on the run dir, a disk that fills
-during a save (a real tmpfs, needs root), a corrupted token-cache entry, config changes on resume; each reports what
-it expected and observed and whether the run still ends bitwise equal to the reference ("nothing lost").
+Scenarios (`--scenarios`; default all): bench/reliability_trials.py's -- a second launch on the run dir, a disk that
+fills during a save (a real tmpfs, needs root), a corrupted token-cache entry, config changes on resume -- and
+bench/process_trials.py's -- the trainer SIGKILLed by its own forked checkpoint writer then relaunched at once, a group
+SIGTERM / SIGUSR1 while generating one step ahead, the generator stopped or killed, damaged parquet files, a busy
+exported MASTER_PORT (each also counts the orphans: the run's processes alive after its trainer exited). Each reports
+what it expected and observed and whether nothing was lost (the run still ends bitwise equal to the reference, or as
+the scenario states).
 `--trials 0 --scenarios all` runs only those; finished kill trials already in the results file are kept.
 `--max-staleness 1`: the same kill trials for a run generating one step ahead (a generator process, the in-flight
 plan and rollouts in each checkpoint; docs/async_generation.md), written to fault_trials_ahead.json.
@@ -25,6 +29,10 @@ results file, and a restart continues with the next trial (the reference is kept
     nohup env OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv/bin/python bench/fault_trials.py --trials 20 \
         > /tmp/fault_trials.log 2>&1 &
     # -> bench/results/fault_trials.json
+    # the process scenarios alone, into their own file:
+    .venv/bin/python bench/fault_trials.py --trials 0 --results bench/results/fault_trials_process.json \
+        --scenarios trainer_killed_in_save,group_sigterm,group_sigusr1,generator_sigstop,generator_sigkill,\
+    parquet_empty,parquet_garbage,parquet_no_answer,busy_port
 """
 
 from __future__ import annotations
@@ -48,7 +56,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.reliability_trials import SCENARIOS, run_scenarios  # noqa: E402
+from bench.process_trials import SCENARIOS as PROCESS_SCENARIOS  # noqa: E402
+from bench.reliability_trials import SCENARIOS as INPUT_SCENARIOS  # noqa: E402
+from bench.reliability_trials import run_scenarios  # noqa: E402
 from tests.helpers.multirank import free_port  # noqa: E402
 from tests.helpers.rank_processes import reap, start_rank_process  # noqa: E402
 from tests.test_generate_ahead import AHEAD, _untimed  # noqa: E402
@@ -61,6 +71,7 @@ from tests.test_trainer_resume import (  # noqa: E402
     _write_dataset,
 )
 
+SCENARIOS = {**INPUT_SCENARIOS, **PROCESS_SCENARIOS}
 RESULTS = REPO / "bench" / "results" / "fault_trials.json"
 RESULTS_AHEAD = REPO / "bench" / "results" / "fault_trials_ahead.json"
 TIMEOUT_S = 900
@@ -199,6 +210,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1, help="trials run side by side (independent run dirs)")
     parser.add_argument("--max-staleness", type=int, default=0, help="> 0: trials of a run generating ahead")
+    parser.add_argument("--results", default=None, help=f"results file (default {RESULTS.relative_to(REPO)}, "
+                        f"{RESULTS_AHEAD.relative_to(REPO)} with --max-staleness)")
     parser.add_argument("--scenarios", default="all",
                         help=f"comma-separated scenarios after the kill trials: {', '.join(SCENARIOS)}; all; '' none")
     args = parser.parse_args()
@@ -209,6 +222,7 @@ def main() -> None:
                  *(o for o in AHEAD if not o.startswith("rollout.max_staleness=")))
         results_path = RESULTS_AHEAD
         args.work_dir += "_ahead"
+    results_path = Path(args.results) if args.results else results_path
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     data = str(work / "train.jsonl")
@@ -245,22 +259,26 @@ def main() -> None:
         list(pool.map(run_one, todo))
     names = list(SCENARIOS) if args.scenarios == "all" else [n for n in args.scenarios.split(",") if n]
     names = [] if args.max_staleness > 0 else names  # the scenarios are the colocated run's
-    helpers = SimpleNamespace(launch=launch, reap=reap, metrics=metrics, same_final_state=same_final_state)
-    for result in run_scenarios(names, helpers, work, data):
+    helpers = SimpleNamespace(launch=launch, reap=reap, metrics=metrics, same_final_state=same_final_state,
+                              reference=reference)
+    for result in run_scenarios(names, helpers, work, data, SCENARIOS):
         scenarios[:] = [s for s in scenarios if s["scenario"] != result["scenario"]] + [result]
         write_results()
     final = json.loads(results_path.read_text())["summary"] if results_path.exists() else summary(done, ref)
     print(f"{'trials':>8} {'bitwise':>8} {'redone':>7} {'max':>4}  (steps redone: total, max per trial)")
     print(f"{final['trials']:>8} {final['bitwise_matches']:>8} {final['steps_redone_total']:>7} "
           f"{final['steps_redone_max']:>4}")
-    print(f"{'scenario':<16} {'as expected':>11} {'nothing lost':>12}  observed")
+    print(f"{'scenario':<22} {'as expected':>11} {'nothing lost':>12} {'orphans':>7}  observed")
     for sc in scenarios:
-        print(f"{sc['scenario']:<16} {sc['as_expected']!s:>11} {sc['nothing_lost']!s:>12}  {sc['observed'][:150]}")
+        orphans = sc.get("orphans", "-")
+        print(f"{sc['scenario']:<22} {sc['as_expected']!s:>11} {sc['nothing_lost']!s:>12} {orphans!s:>7}  "
+              f"{sc['observed'][:150]}")
 
 
 def scenario_summary(scenarios: list[dict]) -> dict:
     return {"scenarios": len(scenarios), "scenarios_as_expected": sum(s["as_expected"] for s in scenarios),
-            "scenarios_nothing_lost": sum(s["nothing_lost"] for s in scenarios)}
+            "scenarios_nothing_lost": sum(s["nothing_lost"] for s in scenarios),
+            "scenario_orphans": sum(s.get("orphans", 0) for s in scenarios)}
 
 
 if __name__ == "__main__":

@@ -164,11 +164,13 @@ SCENARIOS: dict[str, Callable] = {"two_launches": two_launches, "disk_full": dis
                                   "corrupted_cache": corrupted_cache, "config_change": config_change}
 
 
-def run_scenarios(names: list[str], helpers, work: Path, data: str) -> list[dict]:
+def run_scenarios(names: list[str], helpers, work: Path, data: str, table: dict[str, Callable] | None = None
+                  ) -> list[dict]:
+    """Run the scenarios `names` of `table` (default: this module's) one after another."""
     out = []
     for name in names:
         t0 = time.perf_counter()
-        result = SCENARIOS[name](helpers, work, data)
+        result = (table or SCENARIOS)[name](helpers, work, data)
         result["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(result), flush=True)
         out.append(result)

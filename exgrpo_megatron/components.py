@@ -13,6 +13,7 @@ from exgrpo_megatron.config.derived import updates_per_step
 from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import ExperienceConfig, RootConfig
 from exgrpo_megatron.config.validate import ConfigError
+from exgrpo_megatron.data.answer_check import require_parsable_answers
 from exgrpo_megatron.data.datasets import PromptDataset
 from exgrpo_megatron.data.sampler import PromptSampler
 from exgrpo_megatron.data.synthetic import arithmetic_split_datasets
@@ -87,6 +88,9 @@ def build_datasets(cfg: RootConfig, tokenizer: Tokenizer) -> tuple[PromptDataset
                               template=d.template, max_prompt_length=d.max_prompt_length)
     train = cached_prompt_dataset(d.train_files, cache_dir=d.token_cache_dir, **kw)
     val = cached_prompt_dataset(d.val_files, cache_dir=d.token_cache_dir, **kw) if d.val_files else None
+    for dataset, files in ((train, d.train_files), (val, d.val_files)):  # gold answers Math-Verify cannot parse
+        if dataset is not None:
+            require_parsable_answers(dataset, list(files), d.max_unparsable_answers, cfg.reward.timeout_seconds)
     return train, val
 
 

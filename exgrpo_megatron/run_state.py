@@ -124,7 +124,11 @@ class RunState:
             keep_last=c.cfg.checkpoint.keep_last)
         self.last_saved = step
         if c.layout.rank == 0:
-            print(f"exgrpo-train: saved checkpoint {path}", file=sys.stderr)
+            message = f"exgrpo-train: saved checkpoint {path}"
+            if self.progress is not None:
+                self.progress.write(message)  # on its own line, not glued to the progress line
+            else:
+                print(message, file=sys.stderr)
 
     def load(self, loaded: LoadedCheckpoint) -> None:
         """Take the trainer state and pool shards of a loaded (model, optimizer, RNG: already) checkpoint."""

@@ -6,7 +6,8 @@
 
 Every rank runs this same entry point (torchrun or srun). The preemption handler is installed first
 (before any slow import): SIGTERM / SIGUSR1 at any moment of start-up exits REQUEUE_EXIT_CODE (75). The
-config is composed and validated (values and the paths the run reads) before any process group exists;
+config is composed and validated (values and the paths the run reads; a dry run plans from the values alone
+and only lists the path problems) before any process group exists;
 an invalid config exits with status 2 and `key: value: reason` lines, as does a data set left without
 usable rows, a run directory that is unusable or held by another trainer (distributed/run_lock.py), and a
 resume whose checkpoint does not fit the config (config/resume_changes.py, checkpoint/compat.py).
@@ -31,7 +32,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-name", "-cn", default="demo_cpu", help="preset in conf/ (without .yaml)")
     parser.add_argument("--config-dir", "-cd", default=None, help="config directory (default: the repo's conf/)")
-    parser.add_argument("--dry-run", action="store_true", help="validate and print the plan; build nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the values and print the plan; build nothing, read no model or data (paths "
+                             "that a run would stop on are listed, exit 0)")
     parser.add_argument("--world-size", type=int, default=None,
                         help="world size to validate against (default: from torchrun/Slurm, else 1)")
     parser.add_argument("--phase-times", metavar="RUN_DIR", default=None,
@@ -64,7 +67,8 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
     world_size = args.world_size or launch_env().world_size
     try:
         cfg = load_config(args.config_name, overrides, args.config_dir)
-        validate(cfg, world_size)
+        dry_run = args.dry_run or cfg.dry_run
+        validate(cfg, world_size, check_paths=not dry_run)  # a dry run plans from the preset's shape: no files read
         algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
         if cfg.rollout.max_staleness > 0 and algorithm.filters_groups and cfg.algo.max_refill_rounds > 0:
             raise ConfigError([f"algo.name: {cfg.algo.name} filters groups and refills the batch, which needs the "
@@ -72,7 +76,8 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
     except ConfigError as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)
         return EXIT_INVALID_CONFIG
-    if args.dry_run or cfg.dry_run:
+    if dry_run:
+        from exgrpo_megatron.config.domains import path_errors
         from exgrpo_megatron.config.dry_run import dry_run_report
         from exgrpo_megatron.config.generation_split import read_phase_times
 
@@ -82,6 +87,8 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
             print(f"exgrpo-train: {exc}", file=sys.stderr)
             return EXIT_INVALID_CONFIG
         print(dry_run_report(cfg, world_size, replays=algorithm.uses_pool, phase_times=times))
+        for line in path_errors(cfg):  # not needed for the plan; a real run would stop on them (exit 2)
+            print(f"exgrpo-train: dry run: a run would exit 2 on {line}", file=sys.stderr)
         return 0
     startup_errors = vllm_startup_errors(cfg)
     if startup_errors:

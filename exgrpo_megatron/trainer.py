@@ -16,6 +16,7 @@ import sys
 import numpy as np
 
 from exgrpo_megatron.ahead.schedule import AheadGeneration
+from exgrpo_megatron.ahead.watch import EXIT_GENERATOR_FAILED, GeneratorFailed
 from exgrpo_megatron.algo.loss import global_loss_counts
 from exgrpo_megatron.algo.protocol import GradedResponse, RLAlgorithm
 from exgrpo_megatron.components import Components, build_components
@@ -282,6 +283,11 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None) -
                 state.save(step)
         state.report_done()
         return 0
+    except GeneratorFailed as exc:  # generating ahead: the generator died or missed its deadline (ahead/watch.py)
+        if state.step > 0:
+            state.save(state.step)  # the last whole step; the in-flight plans without rollouts are asked for again
+        print(f"exgrpo-train: {exc}", file=sys.stderr)
+        return EXIT_GENERATOR_FAILED
     finally:
         state.close()
         c.close()

@@ -46,6 +46,9 @@ def test_overrides_apply_and_defaults_follow_the_paper():
         (["experience.admit_correct_at_most=8"], "experience.admit_correct_at_most"),
         (["++parallel.pipeline_model_parallel_size=1", "++parallel.virtual_pipeline_model_parallel_size=2"],
          "parallel.virtual_pipeline_model_parallel_size"),
+        (["data.max_unparsable_answers=1.5"], "data.max_unparsable_answers"),
+        (["rollout.max_staleness=1", "algo.fresh_is_cap=2", "rollout.generator.deadline_factor=0"],
+         "rollout.generator.deadline_factor"),
     ],
 )
 def test_bad_values_name_the_key(overrides, key):
@@ -106,3 +109,22 @@ def test_a_renamed_key_in_a_config_file_is_accepted(tmp_path, capsys):
     (conf / "demo_cpu.yaml").write_text(text)
     assert load_config("demo_cpu", [], config_dir=conf).experience.delayed_start_pass_rate == 0.2
     assert "trainer.experience_start_sratio is now experience.delayed_start_pass_rate" in capsys.readouterr().err
+
+
+def test_an_unknown_preset_exits_2_listing_every_preset(capsys):
+    from exgrpo_megatron.train import main as train_main
+
+    assert train_main(["--config-name", "exgrpo_7", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    presets = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf").glob("*.yaml"))
+    assert "--config-name: 'exgrpo_7' is not a preset" in err
+    assert f"available: {', '.join(presets)}" in err and "exgrpo_7b" in presets
+
+
+def test_an_unknown_group_option_lists_the_group_s_options(capsys):
+    from exgrpo_megatron.train import main as train_main
+
+    assert train_main(["--config-name", "demo_cpu", "model=qwen3", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "Could not find 'model/qwen3'" in err and "demo_qwen2, " in err and "tiny_qwen2" in err
+    assert "Config search path" not in err

@@ -112,6 +112,50 @@ def test_progress_bar_shows_metrics_and_step():
     assert silent.getvalue() == ""
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_in_a_log_file_is_whole_lines_with_messages_between_and_the_last_step_once():
+    log = io.StringIO()  # not a terminal: a log file or a pipe
+    bar = ProgressBar(total_steps=3, enabled=True, file=log, mininterval=0.0)
+    for step in (1, 2, 3):
+        bar.update(step, {"reward/mean": step / 4})
+        if step == 2:
+            bar.write("exgrpo-train: saved checkpoint runs/x/checkpoints/step_00000002")
+    bar.write("exgrpo-train: saved checkpoint runs/x/checkpoints/step_00000003")
+    bar.close()
+    lines = log.getvalue().split("\n")
+    assert "\r" not in log.getvalue() and lines[-1] == ""
+    assert lines[0].startswith("train: step 1/3 (33%)") and lines[0].endswith("; reward=0.250")
+    assert lines[2] == "exgrpo-train: saved checkpoint runs/x/checkpoints/step_00000002"
+    assert lines[3].startswith("train: step 3/3 (100%)") and " s/step, remaining 00:00" in lines[3]
+    assert lines[4] == "exgrpo-train: saved checkpoint runs/x/checkpoints/step_00000003" and len(lines) == 6
+    assert sum("100%" in line for line in lines) == 1
+
+
+def test_progress_in_a_log_file_is_throttled_and_a_stop_early_prints_the_last_step():
+    log = io.StringIO()
+    bar = ProgressBar(total_steps=100, start_step=10, enabled=True, file=log, mininterval=3600.0)
+    for step in range(11, 41):
+        bar.update(step, {"batch/solved": 0.5})
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["train: step 11/100", "train: step 40/100"]
+
+
+def test_progress_on_a_terminal_writes_messages_above_the_bar():
+    term = _Terminal()
+    bar = ProgressBar(total_steps=4, enabled=True, file=term, mininterval=0.0)
+    bar.update(1, {"reward/mean": 0.5})
+    bar.write("exgrpo-train: saved checkpoint X")
+    bar.close()
+    text = term.getvalue()
+    assert "\nexgrpo-train: saved checkpoint X\n" in text.replace("\r", "\n")
+    assert "1/4" in text and "reward=0.500" in text
+
+
 def test_step_timer_accumulates_and_resets():
     calls = []
     timer = StepTimer(synchronize=lambda: calls.append(1))
@@ -138,22 +182,36 @@ def test_plot_run_writes_png(tmp_path, capsys):
     plot_run = _load_plot_run()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("trainer:\n  train_batch_size: 8\n")
     with open(run_dir / "metrics.jsonl", "w", encoding="utf-8") as fh:
         for step in range(1, 21):
             record = {"step": step, "reward/mean": step / 20, "reward/fresh_mean": step / 25,
-                      "reward/replay_mean": None if step < 5 else 0.9, "entropy/mean": 2 - step / 20,
-                      "response_length/mean": 30 + step, "phase": "mixed"}
+                      "reward/replay_mean": None if step < 5 else 1.0, "entropy/mean": 2 - step / 20,
+                      "response_length/mean": 30 + step, "phase": "mixed", "time/step": 1.5,
+                      "experience/n_replayed": 0.0 if step < 5 else 4.0, "replay/token_fraction": step / 100}
             record.update({f"experience/bucket_{k}": float((k + step) % 5) for k in range(9)})
+            if step % 5 == 0:
+                record["val/avg@4"] = step / 30
             fh.write(json.dumps(record) + "\n")
     assert plot_run.main([str(run_dir)]) == 0
     png = run_dir / "metrics.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = read_metrics(str(run_dir / "metrics.jsonl"))
-    chosen = plot_run.panel_keys(records)
-    assert chosen["reward"] == ["reward/mean", "reward/fresh_mean", "reward/replay_mean"]
+    plot_run.add_question_share(records, plot_run.run_batch_size(str(run_dir)))
+    assert [r["replay/question_share"] for r in records][3:5] == [0.0, 0.5]  # 4 of 8 questions from the pool
+    chosen = {title: [key for key, _ in keys] for title, keys in plot_run.panel_keys(records).items()}
+    assert chosen["reward"] == ["reward/fresh_mean", "val/avg@4"]  # not the replayed trajectories' reward (1)
+    assert chosen["replayed share of the batch"] == ["replay/question_share", "replay/token_fraction"]
     assert chosen["pool buckets"] == [f"experience/bucket_{k}" for k in range(9)]
     assert chosen["entropy"] == ["entropy/mean"] and chosen["response length"] == ["response_length/mean"]
-    assert math.isnan(plot_run.series(records, "reward/replay_mean")[0])
+    assert chosen["time per step"] == ["time/step"]
+    assert math.isnan(plot_run.series(records, "val/avg@4")[0])
+    fig = plot_run.figure(records, "run")
+    fig.canvas.draw()
+    for ax in fig.axes:  # every panel labels its steps, the top row too
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_visible()]
+        assert any(label.strip() for label in labels), ax.get_title()
+        assert ax.get_legend() is not None and ax.get_ylabel(), ax.get_title()
     custom = tmp_path / "custom.png"
     assert plot_run.main([str(run_dir), "--out", str(custom)]) == 0
     assert custom.read_bytes()[:4] == b"\x89PNG"

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from exgrpo_megatron.distributed.cpu_warnings import KNOWN_CPU_WARNINGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +39,28 @@ def test_demo_entry_starts_with_the_startup_block_and_no_known_warning(tmp_path)
     assert first[1].startswith("exgrpo-train: CPU precision: fp32; ") and first[1].endswith(
         ("auto: hidden size 128 < 512", "auto: no bf16 matrix unit")), first[1]
     assert first[2].startswith(f"exgrpo-train: run dir {tmp_path / 'run'}; layout TP=1 PP=1 DP=1 (world 1, cpu)")
+    block = proc.stdout.splitlines()[3:6]
+    assert block[1].startswith("exgrpo-train: algorithm exgrpo; experience replay: mixed phase once batch pass rate")
+    assert block[2] == "exgrpo-train: rollouts: megatron engine, generated within each step from the current weights"
+
+
+@pytest.mark.parametrize("overrides,algorithm,rollouts", [
+    (["algo.name=grpo"], "algorithm grpo; experience replay: off (on-policy grpo)", "generated within each step"),
+    (["algo.name=dapo"], "algorithm dapo; experience replay: off (on-policy dapo)", "generated within each step"),
+    (["rollout.max_staleness=1", "algo.fresh_is_cap=2.0"], "algorithm exgrpo; experience replay: mixed phase",
+     "rollouts: megatron engine in its own process, generating 1 step(s) ahead of training"),
+])
+def test_startup_block_says_which_algorithm_runs_and_whether_generation_runs_ahead(overrides, algorithm, rollouts):
+    import torch
+
+    from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.distributed.runtime import ParallelLayout
+    from exgrpo_megatron.logging.startup import startup_block
+
+    layout = ParallelLayout(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1,
+                            device=torch.device("cpu"))
+    lines = startup_block(load_config("demo_cpu", overrides), layout).splitlines()
+    assert lines[-2].startswith(f"exgrpo-train: {algorithm}") and rollouts in lines[-1], lines
 
 
 SCRIPT = """

@@ -90,6 +90,19 @@ def test_resume_refuses_keys_that_change_the_saved_states_meaning_and_names_each
         validate(load_config("demo_cpu", ["checkpoint.allow_config_change=[optim.lr]"]), 1, check_paths=False)
 
 
+def test_a_batch_change_on_resume_says_what_really_changes():
+    saved = load_config("demo_cpu", ["trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=8"])
+    same_updates = load_config("demo_cpu", ["trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=4"])
+    with pytest.raises(ConfigError) as err:
+        check_resume_config(to_yaml(saved), same_updates, "ckpt")
+    text = "\n".join(err.value.errors)
+    assert "from 16 prompts per step in updates of 8 to 8 in updates of 4 (still 2 optimizer updates per step" in text
+    assert "no longer match" not in text  # old code: "changes optimizer updates per step" although they stay 2
+    fewer_updates = load_config("demo_cpu", ["trainer.train_batch_size=16", "trainer.ppo_mini_batch_size=16"])
+    with pytest.raises(ConfigError, match="so from 2 to 1 optimizer updates per step: the LR schedule's progress"):
+        check_resume_config(to_yaml(saved), fewer_updates, "ckpt")
+
+
 def test_a_checkpoint_config_under_renamed_keys_compares_as_the_new_names():
     """A checkpoint written before a key was renamed (config/aliases.py) resumes with no change announced for it."""
     import dataclasses

@@ -184,7 +184,7 @@ def test_two_rank_gloo_run_through_slurm_env(tmp_path: Path) -> None:
 # --- the launch flow under a faked Slurm -------------------------------------------------------------
 
 def _preset_inputs(tmp_path: Path) -> tuple[dict[str, str], list[str]]:
-    """Stand-ins for the paths a GPU preset reads (validated at start-up, in the dry run too): an HF dir
+    """Stand-ins for the paths a GPU preset reads (validated at start-up; the dry run only lists them): an HF dir
     through EXGRPO_HF_DIR, and data files as overrides. Returns (env, overrides)."""
     hf = tmp_path / "hf_model"
     hf.mkdir(exist_ok=True)

@@ -11,6 +11,9 @@ Environment: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (one process per rank
                             (nothing in the product knows: the test replaces the checkpoint module's writer)
 --fill-disk-in-save STEP    fill the run dir's filesystem (RUN_DIR/filler.bin, up to ENOSPC) just before the pool
                             shard of checkpoint STEP is written: another writer filling the disk mid-save
+--kill-trainer-from-writer STEP
+                            megatron's forked checkpoint writer of checkpoint STEP SIGKILLs the trainer, then keeps
+                            writing for 600 s: the trainer dies (OOM killer, kill -9) while its forked writer lives
 --make-init PATH            first write a weights-only checkpoint to PATH (TP=1/PP=1 only) that samples
                             "7" or <eos> most of the time (see digit_policy), and train from it
 --dump-pool-after-load      right after RunState.load, write this rank's pool state to
@@ -68,6 +71,26 @@ def install_fill_disk_in_save(step: int, run_dir: str) -> None:
         return real_write(path, data)
 
     pool_io.write_bytes_durable = fill_then_write
+
+
+def install_kill_trainer_from_writer(step: int) -> None:
+    """In the forked writer of checkpoint `step`: SIGKILL the trainer (the writer's parent), then go on writing."""
+    import time
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from exgrpo_megatron.checkpoint import layout
+
+    tmp_name = layout.TMP_PREFIX + layout.step_dir_name(step)
+    real_write = FileSystemWriterAsync.write_preloaded_data
+
+    def kill_then_write(transform_list, local_proc_idx, write_bucket, *args, **kwargs):
+        if tmp_name in str(write_bucket[0]):
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(600)  # a slow disk, or hung on its queue: still there when the trainer is gone
+        return real_write(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(kill_then_write)
 
 
 def digit_policy(gpt, seven_id: int, eos_id: int) -> None:
@@ -128,6 +151,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dump-pool-after-load", action="store_true")
     parser.add_argument("--make-init", default=None)
     parser.add_argument("--fill-disk-in-save", default=None)
+    parser.add_argument("--kill-trainer-from-writer", default=None)
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     args.overrides = argv[split + 1:]
@@ -138,6 +162,8 @@ def main(argv: list[str]) -> int:
         install_fill_disk_in_save(int(args.fill_disk_in_save), args.run_dir)
     if args.dump_pool_after_load:
         install_pool_dump(args.run_dir)
+    if args.kill_trainer_from_writer:
+        install_kill_trainer_from_writer(int(args.kill_trainer_from_writer))
     overrides = [f"logging.run_dir={args.run_dir}", *args.overrides]
     if args.make_init:
         make_init(load_config("demo_cpu", overrides), args.make_init)

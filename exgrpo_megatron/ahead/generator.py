@@ -7,6 +7,11 @@ link (ahead/link.py) one at a time, in order: a request carries one step's quest
 trainer's weights changed since the last request, those weights (full TP=1 tensors, bucket by bucket); the
 answer is the step's samples and rewards, generated at the step's own seed (rollout_service.py), so the rollouts
 of a step depend only on its groups and the weights it names -- never on timing.
+
+Signals: it ignores SIGTERM / SIGUSR1 / SIGINT as the grader's workers do -- Slurm signals every process of the job
+step at preemption, and the trainer, which handles them, still needs the generator to finish the step and the
+preemption save -- and it is killed when the trainer dies (distributed/lifetime.py). The trainer watches it
+(ahead/watch.py): a generator that dies or misses its deadline is named and the run stops.
 """
 
 from __future__ import annotations
@@ -80,6 +85,11 @@ def receive_weights(link: Link, buckets: list[WeightBucket], params: dict[str, t
 
 def serve(cfg: RootConfig, host: str, port: int, device_index: int | None) -> None:
     """The process's body: set up, announce readiness, answer requests until the trainer sends None."""
+    from exgrpo_megatron.distributed.lifetime import die_with_parent
+    from exgrpo_megatron.reward.grader_worker import ignore_preemption_signals
+
+    ignore_preemption_signals()  # Slurm signals the whole job step: the trainer saves, then closes the link
+    die_with_parent()  # the trainer's SIGKILL takes the generator (and through it its grader) along
     link = Link(host, port, GENERATOR)  # first: a failure below closes it, and the trainer's receive raises
     g = cfg.rollout.generator
     if g.cpu_cores:

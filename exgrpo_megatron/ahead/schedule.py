@@ -22,7 +22,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,13 @@ import torch.distributed as dist
 
 from exgrpo_megatron.ahead.generator import RolloutRequest, RolloutResult, WeightBucket, serve
 from exgrpo_megatron.ahead.link import TRAINER, Link
+from exgrpo_megatron.ahead.watch import (
+    EXIT_GENERATOR_FAILED,
+    Deadline,
+    GeneratorFailed,
+    exit_text,
+    process_state,
+)
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.step_plan import QuestionGroup
@@ -41,6 +50,7 @@ from exgrpo_megatron.rollout.refit import iter_full_param_buckets
 from exgrpo_megatron.rollout.types import Sample
 
 WEIGHT_BUCKET_BYTES = 256 << 20
+WATCH_SECONDS = 1.0  # how often the waiting trainer looks at the generator (alive? late?)
 
 
 @dataclass
@@ -72,19 +82,25 @@ class AheadGeneration:
         self.generator_weights_step: int | None = None  # what the generator holds (the same on every rank)
         self.planned: dict[int, Planned] = {}  # asked for, not yet taken (the same on every rank)
         self.restored: dict[int, RolloutResult] = {}  # rank 0: in-flight rollouts read from a checkpoint
+        self.lost: set[int] = set()  # planned steps whose rollouts a failed generator took with it (resumed runs)
         self.results: dict[int, RolloutResult] = {}  # rank 0: answers received
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # rank 0: the link thread's failure
+        self.failure: str | None = None  # the generator failed (the same on every rank once a take() saw it)
         self.ready = threading.Condition()
         self.requests: queue.Queue = queue.Queue()
+        g = cfg.rollout.generator
+        self.deadline = Deadline(g.deadline_factor, g.deadline_min_seconds, g.startup_timeout_seconds)
+        self.busy_since: float | None = time.monotonic()  # rank 0: when the round in progress began (None: idle)
         if self.main:
             port = free_local_port()
             self.process = mp.get_context("spawn").Process(
-                target=serve, args=(cfg, "127.0.0.1", port, generator_device(cfg.rollout.generator.device)),
-                name="exgrpo-generator")
+                target=serve, args=(cfg, "127.0.0.1", port, generator_device(g.device)), name="exgrpo-generator")
             self.process.start()
-            self.link = Link("127.0.0.1", port, TRAINER)
-            self.link.recv_object()  # "ready": the generator built its model, engine and grader
-            self.thread = threading.Thread(target=self._serve_requests, name="exgrpo-generator-link", daemon=True)
+            print(f"exgrpo-train: generator process started (pid {self.process.pid})", file=sys.stderr, flush=True)
+            # the link is made, and "ready" awaited, on the link's thread: the main thread never blocks on the
+            # generator outside _wait_for, which watches the deadline and stays responsive to signals
+            self.thread = threading.Thread(target=self._serve_requests, args=(port,), name="exgrpo-generator-link",
+                                           daemon=True)
             self.thread.start()
 
     # ---------------------------------------------------------------- the schedule
@@ -109,31 +125,78 @@ class AheadGeneration:
             self.requests.put((RolloutRequest(step, groups, weights_step, buckets), flats))
 
     def take(self, step: int) -> tuple[Planned, RolloutResult]:
-        """Step `step`'s plan and rollouts on every rank (rank 0 waits for them, then broadcasts)."""
-        planned = self.planned.pop(step)
-        payload: list[Any] = [self._wait_for(step) if self.main else None]
+        """Step `step`'s plan and rollouts on every rank (rank 0 waits for them, then broadcasts). GeneratorFailed on
+        every rank when the generator died or missed its deadline (ahead/watch.py): the step stays planned."""
+        for t in sorted(self.lost):  # a resumed run whose generator had failed: ask again, from the current weights
+            self.lost.discard(t)
+            self.submit(t, self.planned[t].phase, self.planned[t].groups, weights_step=step - 1)
+        payload: list[Any] = [None]
+        if self.main:
+            try:
+                payload[0] = self._wait_for(step)
+            except GeneratorFailed as exc:
+                payload[0] = str(exc)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
-        return planned, payload[0]
+        if isinstance(payload[0], str):
+            self.failure = payload[0]
+            raise GeneratorFailed(payload[0])
+        return self.planned.pop(step), payload[0]
 
     def _wait_for(self, step: int) -> RolloutResult:
+        """Rank 0: step `step`'s rollouts once they are here (an answer received before a failure still counts);
+        GeneratorFailed when the generator died, broke the link or missed its deadline first."""
         if step in self.restored:
             return self.restored.pop(step)
         with self.ready:
-            self.ready.wait_for(lambda: step in self.results or self.error is not None)
-            if self.error is not None:
-                raise RuntimeError(f"the generator failed: {self.error}") from self.error
+            while step not in self.results:
+                if self.failure is not None:
+                    raise GeneratorFailed(self.failure)
+                if self.error is not None:
+                    self._check_generator(step, self.error)
+                if not self.ready.wait_for(lambda: step in self.results or self.error is not None, WATCH_SECONDS):
+                    self._check_generator(step)
             return self.results.pop(step)
 
-    def _serve_requests(self) -> None:
+    def _check_generator(self, step: int, error: BaseException | None = None) -> None:
+        """Raise GeneratorFailed (and kill the generator) when it died, missed its deadline or broke the link."""
+        late = None if self.busy_since is None else time.monotonic() - self.busy_since
+        pid = int(self.process.pid or 0)
+        if error is not None:
+            self.process.join(timeout=5)  # a peer that died closed the link a moment before its exit is seen
+        if not self.process.is_alive():
+            why = f"died ({exit_text(self.process.exitcode)})"
+        elif error is not None:
+            why = f"broke the link ({type(error).__name__}: {error})"
+        elif late is not None and late > self.deadline.seconds():
+            state = process_state(pid)
+            why = (f"has not answered for {late:.0f} s{f', and is {state}' if state else ''}; the deadline is "
+                   f"{self.deadline.seconds():.0f} s = {self.deadline.explain()}")
+        else:
+            return
+        self.failure = (f"the generator process (pid {pid}) {why}, while step {step}'s rollouts were awaited; it is "
+                        f"killed, the last whole step is saved and the run exits {EXIT_GENERATOR_FAILED} "
+                        "(a relaunch resumes and asks again for the rollouts in flight)")
+        self.process.kill()
+        raise GeneratorFailed(self.failure) from error
+
+    def _serve_requests(self, port: int) -> None:
         try:
+            self.link = Link("127.0.0.1", port, TRAINER)
+            self.link.recv_object()  # "ready": the generator built its model, engine and grader
             while (item := self.requests.get()) is not None:
                 request, flats = item
+                with self.ready:
+                    started = time.monotonic()
+                    if self.deadline.rounds:  # the first round runs on the start-up allowance, from the process start
+                        self.busy_since = started
                 self.link.send_object(request)
                 for flat in flats:
                     self.link.send_tensor(flat)
                 result = self.link.recv_object()
                 with self.ready:
+                    self.deadline.observe(time.monotonic() - started)
+                    self.busy_since = None
                     self.results[result.step] = result
                     self.ready.notify_all()
             self.link.send_object(None)
@@ -144,15 +207,19 @@ class AheadGeneration:
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
-        """The plans in flight and (rank 0, waiting for them) their rollouts, JSON-able."""
+        """The plans in flight and (rank 0, waiting for them) their rollouts, JSON-able. After the generator failed,
+        a plan whose rollouts never arrived is saved with "result": null; a resumed run asks for them again."""
         steps = sorted(self.planned)
         results = {t: self._wait_for_keep(t) for t in steps} if self.main else {}
         return {"in_flight": [{"step": t, "phase": self.planned[t].phase,
                                "groups": [_group_json(g) for g in self.planned[t].groups],
-                               "result": _result_json(results[t]) if self.main else None} for t in steps]}
+                               "result": None if (r := results.get(t)) is None else _result_json(r)} for t in steps]}
 
-    def _wait_for_keep(self, step: int) -> RolloutResult:
-        result = self._wait_for(step)
+    def _wait_for_keep(self, step: int) -> RolloutResult | None:
+        try:
+            result = self._wait_for(step)
+        except GeneratorFailed:
+            return None  # saved without it; the next take() reports the failure on every rank
         self.restored[step] = result  # still to be taken
         return result
 
@@ -160,17 +227,22 @@ class AheadGeneration:
         for entry in state.get("in_flight", []):
             step = int(entry["step"])
             self.planned[step] = Planned(entry["phase"], [_group_from_json(g) for g in entry["groups"]])
-            if self.main:
+            if entry["result"] is None:
+                self.lost.add(step)
+            elif self.main:
                 self.restored[step] = _result_from_json(entry["result"])
 
     def close(self) -> None:
         if not self.main:
             return
+        if self.failure is not None or not self.process.is_alive():
+            self.process.kill()  # stopped or hung: nothing to wait for (the link's thread then ends too)
         self.requests.put(None)
         self.thread.join(timeout=60)
         self.process.join(timeout=60)
         if self.process.is_alive():
             self.process.kill()
+            self.process.join(timeout=10)
 
 
 # -------------------------------------------------------------------- JSON (floats round-trip exactly)

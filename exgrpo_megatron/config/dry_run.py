@@ -295,19 +295,32 @@ def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
         f" per update and DP rank {seqs_per_update_rank} sequences in >= "
         f"{math.ceil(seqs_per_update_rank / seqs_per_micro)} micro-batch(es) of <= {t.micro_batch_max_tokens} tokens",
     ]
-    if replays:
-        x = cfg.experience
-        n_exp = int(t.train_batch_size * x.ratio)
-        start = (f"once batch pass rate > {x.delayed_start_pass_rate}" if x.delayed_start_pass_rate > 0
-                 else "from step 1 (delayed start disabled)")
-        fresh = t.train_batch_size - n_exp if x.placement == "displace" else t.train_batch_size
-        lines.append(f"  experience replay ({x.placement}): mixed phase {start}: up to {n_exp} replayed + "
-                     f"{fresh} fresh prompts (rho={x.ratio}; enter iff {x.admit_correct_above} < correct <= "
-                     f"{x.admit_correct_at_most} of {r.n}, retire above {x.retire_above(r.n)}"
-                     + (f", trajectories replayed up to {x.max_age_steps} steps old)" if x.max_age_steps else ")"))
-    else:
-        lines.append(f"  experience replay: off (on-policy {cfg.algo.name})")
-    return lines
+    return [*lines, f"  {replay_line(cfg, replays)}"]
+
+
+def replay_line(cfg: RootConfig, replays: bool) -> str:
+    """What the algorithm replays (the dry run and the start-up block); `replays`: it has an experience pool."""
+    t, x, k = cfg.trainer, cfg.experience, cfg.rollout.n
+    if not replays:
+        return f"experience replay: off (on-policy {cfg.algo.name})"
+    n_exp = int(t.train_batch_size * x.ratio)
+    start = (f"once batch pass rate > {x.delayed_start_pass_rate}" if x.delayed_start_pass_rate > 0
+             else "from step 1 (delayed start disabled)")
+    fresh = t.train_batch_size - n_exp if x.placement == "displace" else t.train_batch_size
+    return (f"experience replay ({x.placement}): mixed phase {start}: up to {n_exp} replayed + {fresh} fresh prompts "
+            f"(rho={x.ratio}; enter iff {x.admit_correct_above} < correct <= {x.admit_correct_at_most} of {k}, retire "
+            f"above {x.retire_above(k)}" + (f", trajectories replayed up to {x.max_age_steps} steps old)"
+                                            if x.max_age_steps else ")"))
+
+
+def generation_line(cfg: RootConfig) -> str:
+    """Where and when the rollouts are generated (the start-up block)."""
+    r = cfg.rollout
+    if r.max_staleness > 0:
+        return (f"rollouts: {r.engine} engine in its own process, generating {r.max_staleness} step(s) ahead of "
+                f"training (rollout.max_staleness={r.max_staleness}; fresh IS cap algo.fresh_is_cap="
+                f"{cfg.algo.fresh_is_cap})")
+    return f"rollouts: {r.engine} engine, generated within each step from the current weights"
 
 
 def _generation_lines(cfg: RootConfig, world_size: int, times: PhaseTimes) -> list[str]:

@@ -26,9 +26,13 @@ def compose(config_name: str, overrides: list[str] | None = None, config_dir: Pa
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, MissingConfigException
 
     config_dir = Path(config_dir or CONF_DIR).resolve()
+    available = presets(config_dir)
+    if config_name.removesuffix(".yaml") not in available:
+        raise ConfigError([f"--config-name: {config_name!r} is not a preset in {config_dir}; available: "
+                           f"{', '.join(available) or '(none)'}"])
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
@@ -37,10 +41,20 @@ def compose(config_name: str, overrides: list[str] | None = None, config_dir: Pa
     except (HydraException, OmegaConfBaseException) as exc:
         cause = exc.__cause__
         key = getattr(cause, "full_key", None) or getattr(exc, "full_key", None)
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        raise ConfigError([f"{key or config_name}: {' '.join(lines[:2])}"]) from None
+        lines = [line.strip() for line in str(exc).split("Config search path:")[0].splitlines() if line.strip()]
+        if isinstance(exc, MissingConfigException):  # a group option: Hydra lists the available ones, one a line
+            message = f"{lines[0]} {lines[1]} {', '.join(lines[2:])}" if len(lines) > 2 else " ".join(lines)
+        else:
+            message = " ".join(lines[:2])
+        raise ConfigError([f"{key or config_name}: {message}"]) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def presets(config_dir: Path | str | None = None) -> list[str]:
+    """The names `--config-name` accepts: the top-level YAML files of the config directory."""
+    path = Path(config_dir or CONF_DIR)
+    return sorted(p.stem for p in path.glob("*.yaml")) if path.is_dir() else []
 
 
 def to_schema(composed: DictConfig) -> RootConfig:

@@ -20,6 +20,8 @@ from exgrpo_megatron.config.schema import RESUME_REFUSED as REFUSED
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 
+BATCH_KEYS = ("trainer.train_batch_size", "trainer.ppo_mini_batch_size")
+
 # how each allowed group takes effect (the line says so); keys not listed: read from the config every step
 APPLIED_HOW: dict[str, str] = {
     "optim.": "applied: the optimizer and LR schedule follow this config at the saved progress",
@@ -53,6 +55,22 @@ def config_differences(saved_yaml: str, cfg: RootConfig) -> dict[str, tuple[Any,
     return out
 
 
+def batch_change(changes: dict[str, tuple[Any, Any]], cfg: RootConfig) -> str:
+    """What a change of trainer.train_batch_size / ppo_mini_batch_size really changes, from both sides' values."""
+    t = cfg.trainer
+    now = {"trainer.train_batch_size": t.train_batch_size, "trainer.ppo_mini_batch_size": t.ppo_mini_batch_size}
+    old = {k: int(changes[k][0]) if k in changes and changes[k][0] is not None else v for k, v in now.items()}
+    (b0, m0), (b1, m1) = old.values(), now.values()
+    u0, u1 = max(1, b0 // max(1, m0)), max(1, b1 // max(1, m1))  # config/derived.updates_per_step
+    batch = f"the batch from {b0} prompts per step in updates of {m0} to {b1} in updates of {m1}"
+    if u0 != u1:
+        return (f"{batch}, so from {u0} to {u1} optimizer updates per step: the LR schedule's progress (counted in "
+                "updates) would no longer match the step count")
+    return (f"{batch} (still {u1} optimizer updates per step, so the LR schedule keeps pace): each update averages "
+            f"{m1} prompts instead of {m0} (the saved Adam moments were estimated over {m0}) and the sampler draws "
+            f"{b1} prompts per step instead of {b0}")
+
+
 def how_applied(key: str) -> str:
     return next((how for prefix, how in APPLIED_HOW.items() if key.startswith(prefix)), "applied")
 
@@ -63,7 +81,8 @@ def check_resume_config(saved_yaml: str | None, cfg: RootConfig, where: str) -> 
         return [f"checkpoint {where} has no config.yaml: changes of the config cannot be checked"]
     allowed = set(cfg.checkpoint.allow_config_change)
     changes = {k: v for k, v in config_differences(saved_yaml, cfg).items() if k != "checkpoint.allow_config_change"}
-    refused = [f"{k}: checkpoint {a!r} -> config {b!r}: changes {REFUSED[k]}; to resume anyway add it to "
+    refused = [f"{k}: checkpoint {a!r} -> config {b!r}: changes "
+               f"{batch_change(changes, cfg) if k in BATCH_KEYS else REFUSED[k]}; to resume anyway add it to "
                f"checkpoint.allow_config_change" for k, (a, b) in changes.items() if k in REFUSED and k not in allowed]
     if refused:
         raise ConfigError([f"resuming from {where}: the config changes keys that a resume cannot take over:",

@@ -79,6 +79,9 @@ class GeneratorConfig:
     device: str = "auto"  # auto (cpu; on GPU the first device after the node's trainer ranks) | cpu | cuda:N
     threads: int = 0  # its torch threads; 0 = torch's default
     cpu_cores: list[int] = field(default_factory=list)  # pin it to these cores (empty: inherit the launcher's)
+    startup_timeout_seconds: float = 900.0  # start-up and the first round must end within this (ahead/watch.py)
+    deadline_factor: float = 10.0  # then each round within this x the slowest round measured so far ...
+    deadline_min_seconds: float = 120.0  # ... and never less than this
 
 
 @dataclass
@@ -176,6 +179,7 @@ class DataConfig:
     num_val_examples: int = 64  # synthetic task only
     num_train_examples: int = 2048  # synthetic task only
     token_cache_dir: str = ".cache/tokenized_prompts"  # tokenised files cached here (data/token_cache.py); "" = off
+    max_unparsable_answers: float = 0.05  # refuse a data set with more gold answers Math-Verify cannot parse
     num_test_examples: int = 0  # synthetic task only: held-out test split (its own seed), read by the bench
     arithmetic_tiers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # synthetic task: tiers used
 
@@ -243,8 +247,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 _DATA = "the training prompts: the sampler's position and the pool's question ids refer to the saved data set"
-_UPDATES = ("optimizer updates per step: the LR schedule's progress (counted in updates) would no longer match "
-            "the step count")
+_BATCH = ("the batch, prompts per step and per optimizer update (the refusal says which, and what follows: "
+          "config/resume_changes.batch_change)")
 _POOL_BOUND = "which questions the pool keeps (the saved pool was filtered with the old bound)"
 # The keys a resume refuses to change (config/resume_changes.py) -> what they would change; allowed only when
 # listed in checkpoint.allow_config_change.
@@ -255,8 +259,8 @@ RESUME_REFUSED: dict[str, str] = {
     "experience.admit_correct_above": _POOL_BOUND, "experience.admit_correct_at_most": _POOL_BOUND,
     "experience.retire_correct_above": _POOL_BOUND,
     "experience.max_trajectories_per_question": "the cap the saved pool was filled under",
-    "trainer.train_batch_size": _UPDATES,
-    "trainer.ppo_mini_batch_size": _UPDATES,
+    "trainer.train_batch_size": _BATCH,
+    "trainer.ppo_mini_batch_size": _BATCH,
     "seed": "the prompt order and every step's sampling seed derive from it",
     "data.source": _DATA, "data.train_files": _DATA, "data.prompt_key": _DATA, "data.answer_key": _DATA,
     "data.template": _DATA, "data.tokenizer": _DATA, "data.max_prompt_length": _DATA, "data.shuffle": _DATA,

@@ -21,6 +21,7 @@ from exgrpo_megatron.convert.hf_io import ShardedSafetensorsWriter, copy_tokeniz
 from exgrpo_megatron.convert.hf_mapping import megatron_param_names, megatron_shape, megatron_to_hf
 from exgrpo_megatron.convert.hf_tokenizer import (
     RUN_TOKENIZER_CHAR,
+    check_tokenizer_export,
     has_tokenizer,
     save_char_tokenizer,
     special_token_ids,
@@ -85,7 +86,8 @@ def convert_megatron_to_hf(ckpt_path: str, out_dir: str, dtype: str = "bf16", to
                            shard_size_gb: float = 5.0, model_config: str | None = None,
                            progress: bool = True) -> list[str]:
     """Write config.json, generation_config.json, safetensors shards (+ index) and tokenizer files to `out_dir`.
-    Tokenizer files come from `tokenizer_dir`, else from the model config's `hf_path` when it has them."""
+    Tokenizer files come from `tokenizer_dir`, else from the model config's `hf_path` when it has them; the
+    written directory's tokenizer is checked as `AutoTokenizer` loads it (hf_tokenizer.check_tokenizer_export)."""
     model_dir, cfg_path = resolve_checkpoint(ckpt_path, model_config)
     cfg = load_model_config(cfg_path)
     torch_dtype, dtype_name = DTYPES[dtype]
@@ -135,6 +137,7 @@ def convert_megatron_to_hf(ckpt_path: str, out_dir: str, dtype: str = "bf16", to
             gen[key] = hf_config[key]
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
+    check_tokenizer_export(out_dir)  # AutoTokenizer (config.json now present) must give tokenizer.json's ids
     return files
 
 

@@ -16,8 +16,9 @@ Rows are skipped, never fatal:
   valid UTF-8): ``logging.warning`` with file and row, and recorded in ``dataset.malformed`` as
   ``(file, row, reason)``;
 * too long: the templated prompt has more than ``max_prompt_length`` tokens (counted in ``stats``).
-A missing *column* (a parquet file without ``prompt_key``) is a configuration error and raises; so does a
-data set left with no usable row (EmptyDatasetError, with the count per reason).
+A missing *column* (a parquet file without ``prompt_key``) is a configuration error and raises DataFileError, as
+does a file that cannot be read at all; so does a data set left with no usable row (EmptyDatasetError, with the
+count per reason).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class MalformedRow(ValueError):
 
 
 class DataFileError(ValueError):
-    """A whole data file cannot be read (a .json file with a byte that is not UTF-8, or broken JSON)."""
+    """A whole data file cannot be read (a .json file with a byte that is not UTF-8, or broken JSON; a .parquet file
+    that is empty, damaged or not parquet, or has no prompt / answer column); exit 2 at start-up naming it."""
 
 
 class EmptyDatasetError(ValueError):
@@ -181,10 +183,22 @@ def _top_level(key: str) -> str:
     return key.split(".")[0]
 
 
-def _read_parquet(path: str, columns: list[str]) -> RowIter:
+def _open_parquet(path: str) -> Any:
+    """pyarrow's ParquetFile, or DataFileError naming the file when it is not one (0 bytes, truncated, garbage)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pfile = pq.ParquetFile(path)
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataFileError(f"{path}: not a readable parquet file ({os.path.getsize(path)} bytes): {exc}; re-export "
+                            "or re-download it, or drop it from data.train_files / data.val_files") from None
+
+
+def _read_parquet(path: str, columns: list[str]) -> RowIter:
+    import pyarrow as pa
+
+    pfile = _open_parquet(path)
     names = set(pfile.schema_arrow.names)
     wanted = []
     for col in columns:
@@ -193,12 +207,16 @@ def _read_parquet(path: str, columns: list[str]) -> RowIter:
         elif _top_level(col) in names:
             wanted.append(_top_level(col))
         elif col != DATA_SOURCE_KEY:
-            raise ValueError(f"{path}: no column {col!r} (columns: {sorted(names)})")
+            key = "data.prompt_key" if col == columns[0] else "data.answer_key"
+            raise DataFileError(f"{path}: no column {col!r} ({key}); its columns: {sorted(names)}")
     row = 0
-    for batch in pfile.iter_batches(columns=sorted(set(wanted)), batch_size=4096):
-        for record in batch.to_pylist():
-            yield row, record
-            row += 1
+    try:
+        for batch in pfile.iter_batches(columns=sorted(set(wanted)), batch_size=4096):
+            for record in batch.to_pylist():
+                yield row, record
+                row += 1
+    except (pa.ArrowException, OSError) as exc:
+        raise DataFileError(f"{path}: damaged after row {row}: {exc}; re-export or re-download it") from None
 
 
 def _read_jsonl(path: str) -> RowIter:
@@ -259,9 +277,7 @@ def count_rows(path: str) -> int:
     """Number of row indices a file occupies in the qid numbering (cheap for parquet)."""
     lower = path.lower()
     if lower.endswith(PARQUET_SUFFIXES):
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
+        return int(_open_parquet(path).metadata.num_rows)
     if lower.endswith(JSONL_SUFFIXES):
         with open(path, "rb") as fh:
             return sum(1 for _ in fh)

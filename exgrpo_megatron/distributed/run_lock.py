@@ -5,11 +5,16 @@ launch by hand) delete each other's in-progress checkpoints and write into repla
 global rank 0 takes `<run_dir>/run.lock` before the process group, the model or any file exists:
 
 * the lock is an exclusive `fcntl.flock` on that file, held for the life of the process; the kernel drops it
-  when the holder dies however it dies (SIGKILL included), so a requeue after a crash is never blocked;
+  when the last descriptor of the open file is closed, so when the holder dies however it dies (SIGKILL
+  included) -- provided no other process holds a copy of the descriptor. The descriptor is close-on-exec (every
+  descriptor Python opens is), and a child *forked* from the holder (megatron-core's checkpoint writers are) closes
+  its copy right after the fork (`os.register_at_fork`): a writer orphaned by a `kill -9` of the trainer no longer
+  keeps the run directory locked (and distributed/lifetime.py makes it die with the trainer anyway);
 * the file says who holds it (pid, host, Slurm job, start time): a second launch exits with status 2 naming
   the holder;
 * where the filesystem has no working flock (ENOLCK / EOPNOTSUPP), the holder recorded in the file decides:
-  same host and its pid gone -> stale, taken over; otherwise refused.
+  same host and its process gone (its pid free, or reused by a process with another start time) -> stale, taken
+  over; otherwise refused.
 
 The run directory is checked first (config/paths.run_dir_problem: a writable directory, or creatable; exit 2,
 key `logging.run_dir`).
@@ -26,11 +31,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+from weakref import WeakSet
 
 from exgrpo_megatron.config.paths import run_dir_problem
 
 LOCK_FILE = "run.lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+_HELD: WeakSet[RunDirLock] = WeakSet()  # the locks this process holds (a forked child closes its copies)
 
 
 class RunDirError(RuntimeError):
@@ -52,6 +61,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (/proc/<pid>/stat field 22); None where unknown. With the
+    pid it names one process: a pid reused by a later process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return int(fh.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _holder_alive(holder: dict[str, Any]) -> bool:
+    pid = int(holder.get("pid", -1))
+    if not _pid_alive(pid):
+        return False
+    recorded = holder.get("pid_start")
+    return recorded is None or _process_start(pid) in (None, recorded)
+
+
 def _read_holder(fh: IO[str]) -> dict[str, Any]:
     fh.seek(0)
     try:
@@ -63,10 +90,10 @@ def _read_holder(fh: IO[str]) -> dict[str, Any]:
 
 def _this_holder() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid_start": _process_start(os.getpid())}
 
 
-@dataclass
+@dataclass(eq=False)
 class RunDirLock:
     """An acquired lock; `release()` (or process exit) gives it up."""
 
@@ -86,14 +113,35 @@ class RunDirLock:
         self.handle.close()
         self.handle = None
 
+    def drop_in_forked_child(self) -> None:
+        """In a child forked from the holder: let go of the inherited descriptor without unlocking (the lock
+        belongs to the open file, shared with the parent). The descriptor is pointed at /dev/null rather than
+        closed, so the number is not reused while the file object still names it."""
+        if self.handle is None:
+            return
+        devnull = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(devnull, self.handle.fileno())
+        finally:
+            os.close(devnull)
+        self.handle = None  # the file object is dropped with its /dev/null descriptor
+
+
+def _drop_locks_in_forked_child() -> None:
+    for lock in list(_HELD):
+        lock.drop_in_forked_child()
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_forked_child)
+
 
 def _claim_without_flock(fh: IO[str], path: Path) -> None:
     """Filesystems without flock: the recorded holder decides (stale only when it is provably gone)."""
     holder = _read_holder(fh)
     if not holder or holder.get("pid") == os.getpid():
         return
-    if holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1))):
-        return  # stale: the holder on this host is gone
+    if holder.get("host") == socket.gethostname() and not _holder_alive(holder):
+        return  # stale: the holder on this host is gone (its pid is free, or taken by a later process)
     raise RunDirError(f"logging.run_dir: {path.parent} is in use by another trainer ({holder_text(holder)}); this "
                       f"filesystem has no file locks, so the holder cannot be checked from here: if it is gone, "
                       f"delete {path}")
@@ -133,4 +181,6 @@ def acquire_run_dir(run_dir: str | Path) -> RunDirLock:
     fh.write(json.dumps(_this_holder()) + "\n")
     fh.flush()
     os.fsync(fh.fileno())
-    return RunDirLock(path, fh)
+    lock = RunDirLock(path, fh)
+    _HELD.add(lock)
+    return lock

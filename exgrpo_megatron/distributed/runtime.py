@@ -15,7 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.distributed import cpu_shims
+from exgrpo_megatron.config.validate import ConfigError
+from exgrpo_megatron.distributed import cpu_shims, lifetime
 from exgrpo_megatron.distributed.launch_env import LaunchEnv, launch_env
 
 
@@ -68,8 +69,10 @@ def init_distributed(
     env: LaunchEnv | None = None,
     timeout_minutes: int = 30,
 ) -> ParallelLayout:
-    """Initialise the default process group and megatron's TP/PP/DP groups; idempotent."""
+    """Initialise the default process group and megatron's TP/PP/DP groups; idempotent. From here on every child
+    this process forks (megatron's checkpoint writers) dies with it (distributed/lifetime.py)."""
     cpu_shims.apply()
+    lifetime.install_fork_hooks()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -82,12 +85,17 @@ def init_distributed(
             backend = "nccl"
         else:
             backend = "gloo"
-        dist.init_process_group(
-            backend=backend,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+        try:
+            dist.init_process_group(
+                backend=backend,
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timedelta(minutes=timeout_minutes),
+            )
+        except dist.DistNetworkError as exc:
+            if "EADDRINUSE" not in str(exc):
+                raise
+            raise ConfigError([port_in_use_message(env, os.environ["MASTER_PORT"])]) from None
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
@@ -99,6 +107,15 @@ def init_distributed(
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_layout()
+
+
+def port_in_use_message(env: LaunchEnv, port: str) -> str:
+    """The start-up refusal for a rendezvous port another process listens on (rank 0 hosts the store there)."""
+    unset = ("unset MASTER_PORT (a single-process run then picks a free port)" if env.launcher == "single"
+             else "set MASTER_PORT to a free port in the job script")
+    return (f"MASTER_PORT: {port} on {env.master_addr} is in use by another process (EADDRINUSE), so rank 0 cannot "
+            f"host the process group's store there. Find the process with `ss -ltnp 'sport = :{port}'` and stop it, "
+            f"or {unset}")
 
 
 def current_layout() -> ParallelLayout:

@@ -2,8 +2,8 @@
 
   warm-up     fresh prompts only; the fresh tokens keep the PPO clip; the pool collects nothing (questions solved
               past experience.retire_correct_above still retire, from step 1);
-  collecting  the step after a step's solved fraction exceeded `trainer.delayed_start_pass_rate` (or step 1 when it is
-              <= 0): the mixed-phase loss (no clip) and the pool collects the step's correct trajectories, but
+  collecting  the step after a step's solved fraction exceeded `experience.delayed_start_pass_rate` (or step 1 when
+              it is <= 0): the mixed-phase loss (no clip) and the pool collects the step's correct trajectories, but
               the pool is still empty so nothing is replayed;
   mixed       from the next step on, for good: replayed experience in every batch, collected every step.
 

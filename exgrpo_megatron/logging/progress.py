@@ -1,7 +1,8 @@
-"""Console progress (tqdm) and step-phase timers.
+"""Console progress (a tqdm bar on a terminal, whole lines in a log file) and step-phase timers.
 
-The bar shows the step, ETA (tqdm's rate over the steps of *this* process, so a resumed run's ETA is right),
-and the first present key of each of :data:`REWARD_KEYS`, :data:`PASS_RATE_KEYS`, :data:`POOL_SIZE_KEYS`.
+The progress shows the step, the time left (from the rate over the steps of *this* process, so a resumed run's
+estimate is right), and the first present key of each of :data:`REWARD_KEYS`, :data:`PASS_RATE_KEYS`,
+:data:`POOL_SIZE_KEYS`.
 """
 
 from __future__ import annotations
@@ -33,34 +34,79 @@ def progress_postfix(metrics: Mapping[str, Any]) -> dict[str, str]:
 
 
 class ProgressBar:
-    """A tqdm bar over training steps ``start_step .. total_steps`` (no-op when ``enabled`` is False)."""
+    """Progress over training steps ``start_step .. total_steps`` (no-op when ``enabled`` is False).
+
+    On a terminal, a tqdm bar redrawn in place. Anywhere else (a log file, a pipe: ``file.isatty()`` False),
+    whole lines, so a log reads top to bottom: the first update, then at most one line per ``mininterval``
+    seconds (default 10), and the last step's line once. :meth:`write` prints a message on a line of its own
+    in both modes (above the bar on a terminal)."""
 
     def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 file: TextIO | None = None, mininterval: float = 0.5) -> None:
+                 file: TextIO | None = None, mininterval: float | None = None) -> None:
         self._bar: Any = None
         self._postfix: dict[str, str] = {}
-        if not enabled:
-            return
-        from tqdm.auto import tqdm
+        self._file: TextIO = file if file is not None else sys.stderr
+        self._enabled = enabled
+        self._total, self._start, self._n = total_steps, start_step, start_step
+        self._t0 = time.monotonic()
+        self._printed: tuple[int, float] | None = None  # (step, time) of the last line written in line mode
+        self._tty = bool(getattr(self._file, "isatty", lambda: False)())
+        self._interval = mininterval if mininterval is not None else (0.5 if self._tty else 10.0)
+        if enabled and self._tty:
+            from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                         file=file if file is not None else sys.stderr, desc="train",
-                         mininterval=mininterval)
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=self._file, desc="train", mininterval=self._interval)
 
     def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
-        """Move the bar to ``step`` (steps done) and show the metrics' reward / pass rate / pool size (a field
+        """Move to ``step`` (steps done) and show the metrics' reward / pass rate / pool size (a field
         absent from ``metrics`` keeps its last value)."""
-        if self._bar is None:
+        if not self._enabled:
             return
         if metrics:
             self._postfix.update(progress_postfix(metrics))
+        self._n = step
+        if self._bar is not None:
             self._bar.set_postfix(self._postfix, refresh=False)
-        self._bar.update(step - self._bar.n)
+            self._bar.update(step - self._bar.n)
+            return
+        now = time.monotonic()
+        if self._printed is None or step >= self._total or now - self._printed[1] >= self._interval:
+            self._write_line(now)
+
+    def write(self, message: str) -> None:
+        """``message`` on a line of its own (the bar, on a terminal, is redrawn below it)."""
+        if self._bar is not None:
+            self._bar.write(message, file=self._file)
+        else:
+            print(message, file=self._file, flush=True)
+
+    def line(self, now: float | None = None) -> str:
+        """The line-mode text: step, share done, time per step of this process and what remains, postfix."""
+        from tqdm import tqdm
+
+        elapsed = (now if now is not None else time.monotonic()) - self._t0
+        done = self._n - self._start
+        pct = 100.0 * self._n / self._total if self._total else 100.0
+        text = f"train: step {self._n}/{self._total} ({pct:.0f}%), elapsed {tqdm.format_interval(elapsed)}"
+        if done > 0:
+            remaining = elapsed / done * max(self._total - self._n, 0)
+            text += f", {elapsed / done:.2f} s/step, remaining {tqdm.format_interval(remaining)}"
+        if self._postfix:
+            text += "; " + ", ".join(f"{k}={v}" for k, v in self._postfix.items())
+        return text
+
+    def _write_line(self, now: float) -> None:
+        print(self.line(now), file=self._file, flush=True)
+        self._printed = (self._n, now)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        elif self._enabled and self._printed is not None and self._printed[0] != self._n:
+            self._write_line(time.monotonic())  # the last step reached, once (a stop before total_steps)
+        self._enabled = False
 
 
 class StepTimer:

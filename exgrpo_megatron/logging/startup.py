@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.cpu_precision import cpu_precision_line, this_cpu_bf16_unit
 from exgrpo_megatron.config.derived import resolve_params_dtype
+from exgrpo_megatron.config.dry_run import generation_line, replay_line
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.cpu_warnings import cpu_run_banner
 from exgrpo_megatron.distributed.runtime import ParallelLayout
@@ -13,7 +15,8 @@ PREFIX = "exgrpo-train: "
 
 
 def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
-    """A few lines: the CPU banner and precision (CPU only), run dir, parallel layout, steps and validation."""
+    """A few lines: the CPU banner and precision (CPU only), run dir, parallel layout, steps and validation, the
+    algorithm and what it replays, where the rollouts come from (in the step, or generated ahead)."""
     lines = []
     if layout.device.type == "cpu":
         m = cfg.model
@@ -25,4 +28,6 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
                  f"DP={layout.dp_size} (world {layout.world_size}, {layout.device.type})")
     val = f"validation avg@{t.val_n} every {t.val_every} steps" if t.val_every else "no validation"
     lines.append(f"{t.total_steps} steps of {t.train_batch_size} prompts x {cfg.rollout.n} rollouts; {val}")
+    replays = build_algorithm(cfg.algo, t, cfg.data.max_response_length).uses_pool
+    lines += [f"algorithm {cfg.algo.name}; {replay_line(cfg, replays)}", generation_line(cfg)]
     return "\n".join(PREFIX + line for line in lines)

@@ -68,6 +68,17 @@ def _parse_gold(gold: str, timeout_seconds: int) -> list:
     return parsed
 
 
+def gold_parses(gold: str, timeout_seconds: int) -> bool:
+    """Whether Math-Verify parses this gold answer (as the grader does) into a mathematical object. One that does not
+    parses to nothing (never matched) or to its raw text only (matched only by the identical text)."""
+    _require_main_thread()
+    try:
+        parsed = _parse_gold(gold, validate_timeout(timeout_seconds))
+    except Exception:
+        return False
+    return any(not isinstance(x, str) for x in parsed)
+
+
 def _require_main_thread() -> None:
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(

@@ -1,0 +1,194 @@
+"""Process-fault scenarios for bench/fault_trials.py (`--scenarios`): one of a run's processes dies, stops or is
+signalled, or an input is unusable. Each reports what it expected and observed, whether nothing was lost, and the
+orphans: the processes of the run's session (the trainer leads it) still alive after the trainer exited.
+
+trainer_killed_in_save   megatron's forked writer of checkpoint 4 SIGKILLs the trainer and goes on writing -> the
+                         writer dies with it, a relaunch at once is not refused (the lock is free), resumes from 2 and
+                         ends bitwise
+group_sigterm            max_staleness=1: SIGTERM to the whole process group after step 3 (Slurm at the time limit)
+group_sigusr1            -> the generator ignores it, the trainer saves and exits 75; the requeued run ends bitwise
+generator_sigstop        max_staleness=1: the generator stopped after step 3 -> named as stopped past its deadline,
+                         the last whole step saved, exit 4; the relaunch asks again for the rollouts in flight and
+                         finishes (every step logged once; rollouts regenerated from newer weights, so not bitwise)
+generator_sigkill        the same with the generator SIGKILLed -> named as killed by SIGKILL, exit 4, relaunch finishes
+parquet_empty            a 0-byte / garbage / answer-column-less .parquet as data.train_files -> exit 2 naming the
+parquet_garbage          file, no checkpoint written
+parquet_no_answer
+busy_port                an exported MASTER_PORT another process listens on, plain `python` -> exit 2 naming the port
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.reliability_trials import RUN_TIMEOUT_S, _fresh, _log, _verdict
+from tests.test_generate_ahead import AHEAD
+from tests.test_generator_faults import FAST_DEADLINE, wait_for_survivors
+from tests.test_trainer_resume import N_STEPS, _overrides
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def _wait_logged(h, run_dir: Path, proc: subprocess.Popen, steps: int) -> None:
+    while proc.poll() is None and len(h.metrics(run_dir)) < steps:
+        time.sleep(0.05)
+
+
+def _exit_and_orphans(proc: subprocess.Popen) -> tuple[int, list[int], list[int]]:
+    """Exit code, the session's processes alive at the trainer's exit, and those still alive 15 s later."""
+    code = proc.wait(timeout=RUN_TIMEOUT_S)
+    from tests.test_generator_faults import session_survivors
+
+    at_exit = session_survivors(proc.pid)
+    later = wait_for_survivors(proc.pid, 15.0)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the bench leaves nothing behind either way
+    except ProcessLookupError:
+        pass
+    return code, at_exit, later
+
+
+def _ahead_reference(h, work: Path, data: str) -> Path:
+    """The uninterrupted run generating one step ahead (once; kept in the work dir)."""
+    (work / "ahead").mkdir(parents=True, exist_ok=True)
+    h.reference(work / "ahead", data, work / "ahead" / "init", AHEAD)
+    return work / "ahead" / "reference"
+
+
+def trainer_killed_in_save(h, work: Path, data: str) -> dict:
+    run_dir = _fresh(work / "trainer_killed_in_save")
+    overrides = _overrides(data, N_STEPS)
+    make_init = ("--make-init", str(run_dir / "init"))
+    proc = h.launch(run_dir, overrides, "killed", (*make_init, "--kill-trainer-from-writer", "4"))
+    code, at_exit, orphans = _exit_and_orphans(proc)
+    t0 = time.perf_counter()
+    resumed = h.launch(run_dir, overrides, "resumed", make_init)  # at once: before the old code's writer let go
+    code2 = h.reap(resumed, RUN_TIMEOUT_S)
+    log2 = _log(run_dir, "resumed")
+    found = re.search(r"resumed from \S+ at step (\d+)", log2)
+    lost = h.same_final_state(run_dir, work / "reference", run_dir) if code2 == 0 else (False, f"exit {code2}")
+    observed = (f"trainer exit {code}; session processes at its exit {len(at_exit)}, 15 s later {len(orphans)}; "
+                f"relaunch exit {code2} after {time.perf_counter() - t0:.0f} s, refused as in use: "
+                f"{'in use by another trainer' in log2}, resumed from step {found.group(1) if found else None}")
+    ok = code == -signal.SIGKILL and code2 == 0 and not orphans and found is not None and found.group(1) == "2"
+    return _verdict("trainer_killed_in_save", "trainer -9 while its writer lives; no orphan; the relaunch resumes "
+                    "from 2 at once and ends bitwise", observed, ok, lost, orphans=len(orphans))
+
+
+def _group_signal(sig: signal.Signals) -> Callable:
+    def scenario(h, work: Path, data: str) -> dict:
+        ref = _ahead_reference(h, work, data)
+        name = f"group_{sig.name.lower()}"
+        run_dir = _fresh(work / name)
+        overrides = _overrides(data, N_STEPS, extra=AHEAD)
+        make_init = ("--make-init", str(run_dir / "init"))
+        proc = h.launch(run_dir, overrides, "signalled", make_init)
+        _wait_logged(h, run_dir, proc, 3)
+        os.killpg(proc.pid, sig)
+        code, _at_exit, orphans = _exit_and_orphans(proc)
+        log = _log(run_dir, "signalled")
+        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+        code2 = h.reap(h.launch(run_dir, overrides, "requeued", make_init), RUN_TIMEOUT_S)
+        lost = h.same_final_state(run_dir, ref, run_dir) if code2 == 0 else (False, f"exit {code2}")
+        failed = "the generator failed" in log or "the generator process (pid" in log
+        observed = (f"exit {code}, checkpoints {saved}, generator reported failed: {failed}; orphans {len(orphans)}; "
+                    f"requeued run exit {code2}")
+        return _verdict(name, f"{sig.name} to the process group after step 3 -> preemption save, exit 75, no orphan; "
+                        "the requeued run ends bitwise", observed, code == 75 and bool(saved) and not orphans and
+                        code2 == 0, lost, orphans=len(orphans))
+    return scenario
+
+
+def _generator_fault(sig: signal.Signals, said: str) -> Callable:
+    def scenario(h, work: Path, data: str) -> dict:
+        name = f"generator_{sig.name.lower()}"
+        run_dir = _fresh(work / name)
+        overrides = _overrides(data, N_STEPS, extra=(*AHEAD, *FAST_DEADLINE))
+        make_init = ("--make-init", str(run_dir / "init"))
+        proc = h.launch(run_dir, overrides, "failed", make_init)
+        _wait_logged(h, run_dir, proc, 3)
+        found = re.search(r"generator process started \(pid (\d+)\)", _log(run_dir, "failed"))
+        assert found, _log(run_dir, "failed")[-2000:]
+        os.kill(int(found.group(1)), sig)
+        t0 = time.perf_counter()
+        code, _at_exit, orphans = _exit_and_orphans(proc)
+        took = time.perf_counter() - t0
+        log = _log(run_dir, "failed")
+        line = next((x for x in log.splitlines() if "the generator process (pid" in x), "")
+        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+        logged = [r["step"] for r in h.metrics(run_dir)]
+        code2 = h.reap(h.launch(run_dir, overrides, "relaunched", make_init), RUN_TIMEOUT_S)
+        steps = [r["step"] for r in h.metrics(run_dir)]
+        complete = code2 == 0 and steps == list(range(1, N_STEPS + 1))
+        observed = (f"exit {code} {took:.0f} s after the signal; message: {line.strip()[:300]}; logged {logged}, "
+                    f"checkpoints {saved}; orphans {len(orphans)}; relaunch exit {code2}, steps logged {steps}")
+        ok = code == 4 and said in line and f"step_{logged[-1]:08d}" in saved and not orphans and complete
+        return _verdict(name, f"named ({said}), last whole step saved, exit 4, no orphan; the relaunch finishes "
+                        "every step", observed, ok, (complete, "every step logged once; the lost rollouts were "
+                                                              "regenerated (not bitwise by design)"),
+                        orphans=len(orphans), seconds_to_exit=round(took, 1))
+    return scenario
+
+
+def _bad_parquet(kind: str) -> Callable:
+    def scenario(h, work: Path, data: str) -> dict:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        name = f"parquet_{kind}"
+        run_dir = _fresh(work / name)
+        path = run_dir / f"{kind}.parquet"
+        if kind == "empty":
+            path.write_bytes(b"")
+        elif kind == "garbage":
+            path.write_bytes(os.urandom(4096))
+        else:
+            pq.write_table(pa.table({"prompt": ["What is 1+1?"], "solution": ["2"]}), path)
+        proc = h.launch(run_dir / "run", _overrides(str(path), N_STEPS), "run")
+        code, _at_exit, orphans = _exit_and_orphans(proc)
+        log = _log(run_dir / "run", "run")
+        named = str(path) in log
+        wrote = (run_dir / "run" / "checkpoints").exists()
+        observed = f"exit {code}, file named: {named}, traceback: {'Traceback' in log}, checkpoints written: {wrote}"
+        return _verdict(name, "exit 2 naming the file, nothing written", observed,
+                        code == 2 and named and "Traceback" not in log and not wrote, (not wrote, "nothing to lose"),
+                        orphans=len(orphans))
+    return scenario
+
+
+def busy_port(h, work: Path, data: str) -> dict:
+    run_dir = _fresh(work / "busy_port")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_KEYS} | {"OMP_NUM_THREADS": "1"}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with open(run_dir / "run.log", "w") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "tests.trainer_resume_worker", str(run_dir / "run"), "--",
+                                     *_overrides(data, N_STEPS)], cwd=REPO, env=env | {"MASTER_PORT": str(port)},
+                                    stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        code, _at_exit, orphans = _exit_and_orphans(proc)
+    log = (run_dir / "run.log").read_text(errors="replace")
+    named = f"MASTER_PORT: {port}" in log
+    observed = f"exit {code}, port named: {named}, how to free it: {'ss -ltnp' in log}, traceback: {'Traceback' in log}"
+    return _verdict("busy_port", "exit 2 naming the port and how to free or change it", observed,
+                    code == 2 and named and "Traceback" not in log, (True, "nothing started"), orphans=len(orphans))
+
+
+SCENARIOS: dict[str, Callable] = {
+    "trainer_killed_in_save": trainer_killed_in_save,
+    "group_sigterm": _group_signal(signal.SIGTERM), "group_sigusr1": _group_signal(signal.SIGUSR1),
+    "generator_sigstop": _generator_fault(signal.SIGSTOP, "is stopped (SIGSTOP"),
+    "generator_sigkill": _generator_fault(signal.SIGKILL, "died (killed by SIGKILL)"),
+    "parquet_empty": _bad_parquet("empty"), "parquet_garbage": _bad_parquet("garbage"),
+    "parquet_no_answer": _bad_parquet("no_answer"), "busy_port": busy_port,
+}

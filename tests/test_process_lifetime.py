@@ -1,0 +1,107 @@
+"""No process of a run outlives its trainer, and none keeps the run directory locked after the trainer is gone.
+
+A trainer-like process (real `acquire_run_dir`, real forks through multiprocessing's 'fork' context as megatron-core's
+checkpoint writers are started) is SIGKILLed while its forked child sleeps:
+
+* the run directory can be locked again at once, although the child still lives;
+* with the trainer's fork hooks installed (init_distributed installs them), the child dies with the trainer.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_process_lifetime.py -x
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from exgrpo_megatron.distributed.run_lock import acquire_run_dir
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = """
+import multiprocessing as mp, sys, time
+from exgrpo_megatron.distributed.run_lock import acquire_run_dir
+lock = acquire_run_dir(sys.argv[1])
+if sys.argv[2] == "hooks":
+    from exgrpo_megatron.distributed.lifetime import install_fork_hooks
+    install_fork_hooks()
+writer = mp.get_context("fork").Process(target=time.sleep, args=(120,))  # as megatron's checkpoint writer
+writer.start()
+print(writer.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[1][0] != "Z"  # a zombie has died (its parent reaps it)
+    except FileNotFoundError:
+        return False
+
+
+def _trainer_with_a_forked_writer(run_dir: Path, hooks: bool) -> tuple[subprocess.Popen, int]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(run_dir), "hooks" if hooks else "plain"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_the_lock_is_free_at_once_after_kill_9_of_the_trainer_while_its_forked_writer_lives(tmp_path):
+    trainer, writer = _trainer_with_a_forked_writer(tmp_path / "run", hooks=False)
+    try:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        assert _alive(writer), "the writer should outlive the trainer here (no fork hooks)"
+        lock = acquire_run_dir(tmp_path / "run")  # old code: RunDirError naming the dead trainer's pid
+        lock.release()
+    finally:
+        _kill(writer)
+
+
+def test_forked_children_die_with_the_trainer(tmp_path):
+    trainer, writer = _trainer_with_a_forked_writer(tmp_path / "run", hooks=True)
+    try:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(writer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(writer), f"the forked writer {writer} outlived its trainer"
+    finally:
+        _kill(writer)
+
+
+def test_without_file_locks_a_recorded_holder_whose_pid_was_reused_is_stale(tmp_path):
+    """Filesystems without flock: the recorded pid alone would call a reused pid's new process the holder."""
+    import json
+    import socket
+
+    import pytest
+
+    from exgrpo_megatron.distributed.run_lock import RunDirError, _claim_without_flock, _process_start
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path = tmp_path / "run.lock"
+        live = {"pid": other.pid, "host": socket.gethostname(), "pid_start": _process_start(other.pid)}
+        path.write_text(json.dumps(live))
+        with open(path, "a+", encoding="utf-8") as fh, pytest.raises(RunDirError, match=f"pid {other.pid}"):
+            _claim_without_flock(fh, path)
+        path.write_text(json.dumps(live | {"pid_start": live["pid_start"] - 1}))  # that pid, another process
+        with open(path, "a+", encoding="utf-8") as fh:
+            _claim_without_flock(fh, path)  # old code: refused, the pid being alive
+    finally:
+        other.kill()
+        other.wait()
