@@ -12,7 +12,7 @@ the shared machine hits both alike:
   megatron's RoPE.
 A switch whose key the config does not have (its branch not merged yet) is left out and listed under
 "absent_switches"; adding a switch is one line of `SWITCHES`. Both arms replay from step 2
-(``trainer.delayed_start_pass_rate=0``) so the selection pass and replayed rows are in every measured step.
+(``experience.delayed_start_pass_rate=0``) so the selection pass and replayed rows are in every measured step.
 
 Per step (from the trainer's metrics.jsonl): time/generate (incl. batch composition and the selection pass),
 time/reward (grading not overlapped with generation), time/old_logprobs, time/refit, the updates
@@ -51,7 +51,7 @@ SWITCHES: list[tuple[str, object]] = [
     ("model.fused_norm_rope", False),
     ("trainer.micro_batch_max_tokens", 8192),  # the demo preset's budget before the fast step (now 2048)
 ]
-COMMON = ["trainer.delayed_start_pass_rate=0", "trainer.val_every=0", "checkpoint.save_every=100000",
+COMMON = ["experience.delayed_start_pass_rate=0", "trainer.val_every=0", "checkpoint.save_every=100000",
           "logging.progress_bar=false", "logging.tensorboard=false"]
 DEFAULT_ARMS = ["today", "default", "default_1_thread", "default_bf16"]
 # (numerator arm, denominator arm) of the reported per-phase time ratios, where both ran

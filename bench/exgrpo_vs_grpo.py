@@ -18,6 +18,10 @@ Method:
   delayed start off, both arms at their chosen rates; the warm start itself is evaluated on the test split too
   (start_eval.json), so a run's final accuracy is compared with its start (collapse: below the start, or fresh
   reward 0 over the last 10% of steps);
+* recipes (beyond the paper; `RECIPES`, `WEAK_RECIPES`): append replay, the authors' current recipe, an age bound,
+  GRPO generating as much per step as append, the two arms again at this code version, and the weak start of each,
+  at the rates the sweep chose, on `--seeds`; analysed per step and per generated trajectory
+  (bench/recipe_analysis.py; tables appended to the .md, curves in <out>_recipes.png);
 * stability / diagnosis (fidelity protocol): both arms at `--stability-lr-factor` x the largest rate; ExGRPO with
   its fresh tokens clipped in the mixed phase.
 One precision (the preset pins model.params_dtype) and one code version per comparison: each run records the
@@ -28,7 +32,7 @@ its newest checkpoint (checkpoint.resume=auto). The analysis (bench/fidelity_ana
 Runs that share a warm start (same seed and warm-start settings) share its cache: one trains it, the others wait.
 
     .venv/bin/python bench/exgrpo_vs_grpo.py --plan                  # runs, status, estimated CPU time
-    .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 1  # then final, ablation, weak_start
+    .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 1  # then final, ablation, weak_start, recipes
     .venv/bin/python bench/exgrpo_vs_grpo.py --analyse-only          # tables + JSON + PNG from what exists
     .venv/bin/python bench/exgrpo_vs_grpo.py --protocol fidelity --analyse-only   # the earlier miniature
 """
@@ -51,33 +55,63 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 import fidelity_analysis as fa  # noqa: E402  (bench/, put on the path above)
+import recipe_analysis as rc  # noqa: E402
 
 ARMS: dict[str, list[str]] = {"exgrpo": [], "grpo": ["algo.name=grpo"]}
 # The paper's Tab. 6 / Tab. 3 ablations (ExGRPO arm, rho = 0.5 is the full method).
 ABLATIONS: dict[str, list[str]] = {
-    "no_question_selection": ["trainer.exp_bucket_manager=uniform"],
-    "random_trajectory": ["trainer.exp_metric=random"],
-    "highest_entropy_trajectory": ["trainer.exp_select_mode=argmax"],
+    "no_question_selection": ["experience.bucket_manager=uniform"],
+    "random_trajectory": ["experience.metric=random"],
+    "highest_entropy_trajectory": ["experience.select_mode=argmax"],
     "no_policy_shaping": ["algo.policy_shaping=false"],
     "no_is_correction": ["algo.replay_is_correction=false"],
-    "rho_0.25": ["trainer.experience_ratio=0.25"],
-    "rho_0.75": ["trainer.experience_ratio=0.75"],
-    "sigma_0.5": ["trainer.exp_bucket_sigma=0.5"],  # Tab. 3: narrower bucket weights (count units, as the code)
-    "sigma_1.5": ["trainer.exp_bucket_sigma=1.5"],  # Tab. 3: closer to uniform
-    "mu_0.25": ["trainer.exp_bucket_mu=0.25"],  # Tab. 3: centred on harder questions (k = K/4)
+    "rho_0.25": ["experience.ratio=0.25"],
+    "rho_0.75": ["experience.ratio=0.75"],
+    "sigma_0.5": ["experience.bucket_sigma=0.5"],  # Tab. 3: narrower bucket weights (count units, as the code)
+    "sigma_1.5": ["experience.bucket_sigma=1.5"],  # Tab. 3: closer to uniform
+    "mu_0.25": ["experience.bucket_mu=0.25"],  # Tab. 3: centred on harder questions (k = K/4)
 }
 # Paper Tab. 5 / Fig. 4 (Llama-3.1-8B base): a weak start, delayed start off as the paper runs it for Llama.
-WEAK_START_OVERRIDES = ["trainer.sft_warm_start_steps=150", "trainer.delayed_start_pass_rate=0"]
+WEAK_START_OVERRIDES = ["trainer.sft_warm_start_steps=150", "experience.delayed_start_pass_rate=0"]
 WEAK_START: dict[str, list[str]] = {f"weak_{arm}": [*ov, *WEAK_START_OVERRIDES] for arm, ov in
                                     (("exgrpo", []), ("grpo", ["algo.name=grpo"]))}
+# Beyond the paper: the recipes the literature and the ExGRPO authors now use, each at the rate the sweep chose for
+# its algorithm, on --seeds. Their settings follow the sources, not this task's outcome:
+# * append: replayed questions on top of the B fresh ones, not in their place (rollout-level replay gains only when
+#   appended, arXiv 2606.04560); rho 0.5 (the paper's) and 0.25 (the authors' current);
+# * su01: the authors' Megatron port (arXiv 2605.13301; conf/exgrpo_su01.yaml): rho 0.25, enter at exactly 1 of 8,
+#   retire above 4 of 8, replayed tokens by truncated IS against their recorded log-probs (cap 2, the cap of Yao et
+#   al. 2025, slime's --tis-clip default and verl's rollout correction), no policy shaping;
+# * exgrpo_age_200: the paper's recipe with an age bound (prioritised replay without one degrades, FreshPER arXiv
+#   2604.16918): 200 steps, the length of the authors' own ExGRPO stage in SU-01 (the oldest trajectory their current
+#   recipe can replay); this protocol's steps are the paper's (720 ~ 700, 2 updates each);
+# * grpo_b12 / grpo_b10: on-policy GRPO generating what append does per mixed step (B = 8: append rho 0.5 generates
+#   8 x 8 + 4 x 7 = 92 trajectories, GRPO at B = 12 96; rho 0.25: 78, GRPO at B = 10 80), 2 updates per step;
+# * grpo_same_code / exgrpo_same_code: the two arms again at this code version (their records above were made at an
+#   earlier one; one code version per comparison), the baselines the analysis pairs the recipes with;
+# * weak_<recipe>: each replay recipe and the same-code baselines from the weak start (WEAK_START_OVERRIDES).
+TIS_REPLAY = ["algo.policy_shaping=false", "algo.replay_tis_cap=2"]
+RECIPES: dict[str, list[str]] = {
+    "append_rho_0.5": ["experience.placement=append", "experience.ratio=0.5"],
+    "append_rho_0.25": ["experience.placement=append", "experience.ratio=0.25"],
+    "su01": ["experience=su01", *TIS_REPLAY],
+    "exgrpo_age_200": ["experience.max_age_steps=200"],
+    "grpo_b12": ["algo.name=grpo", "trainer.train_batch_size=12", "trainer.ppo_mini_batch_size=6"],
+    "grpo_b10": ["algo.name=grpo", "trainer.train_batch_size=10", "trainer.ppo_mini_batch_size=5"],
+    **{f"{arm}_same_code": ov for arm, ov in ARMS.items()},
+}
+# the on-policy arm generating as much per step as each append recipe (the analysis pairs them)
+MATCHED_GRPO = {"append_rho_0.5": "grpo_b12", "append_rho_0.25": "grpo_b10"}
 # Beyond the paper: ExGRPO with its fresh tokens clipped in the mixed phase as the GRPO arm's are
 # throughout, at GRPO's best rate and the stability rate, where unclipped ExGRPO falls behind.
 DIAGNOSES: dict[str, list[str]] = {"exgrpo_mixed_clip": ["algo.mixed_phase_clip=true"]}
-PHASES = ("sweep", "final", "ablation", "weak_start", "stability", "diagnosis")
+WEAK_RECIPES: dict[str, list[str]] = {f"weak_{name}": [*ov, *WEAK_START_OVERRIDES] for name, ov in RECIPES.items()
+                                      if not name.startswith("grpo_b")}
+PHASES = ("sweep", "final", "ablation", "weak_start", "stability", "diagnosis", "recipes")
 PROTOCOLS: dict[str, dict] = {
     "paper_ratio": dict(config_name="paper_ratio_cpu", root="bench_paper_ratio", records="paper_ratio_runs",
                         out="exgrpo_vs_grpo_paper_ratio", lrs=[1.25e-5, 2.5e-5, 5e-5, 1e-4], sweep_seeds=[1, 2],
-                        phases=["sweep", "final", "ablation", "weak_start"]),
+                        phases=["sweep", "final", "ablation", "weak_start", "recipes"]),
     "fidelity": dict(config_name="fidelity_cpu", root="bench_fidelity", records="fidelity_runs",
                      out="exgrpo_vs_grpo_fidelity", lrs=[2.5e-5, 5e-5, 1e-4], sweep_seeds=[1, 2, 3, 4, 5],
                      phases=["sweep", "final", "ablation", "stability", "diagnosis"]),
@@ -95,7 +129,12 @@ class Run:
 
     @property
     def overrides(self) -> list[str]:
-        return {**ARMS, **ABLATIONS, **DIAGNOSES, **WEAK_START}[self.variant]
+        return {**ARMS, **ABLATIONS, **DIAGNOSES, **WEAK_START, **RECIPES, **WEAK_RECIPES}[self.variant]
+
+    @property
+    def weak_start(self) -> bool:
+        """Started from the weak warm start (its test evaluation is recorded too, start_eval.json)."""
+        return self.variant.startswith("weak_")
 
     @property
     def done(self) -> bool:
@@ -157,6 +196,10 @@ def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> lis
         if phase == "ablation":
             for name in ABLATIONS:
                 add(phase, name, best_lr["exgrpo"], args.ablation_seeds)
+        if phase == "recipes":
+            for name in [*RECIPES, *WEAK_RECIPES]:  # each at the rate the sweep chose for its algorithm
+                add(phase, name, best_lr["grpo" if name.removeprefix("weak_").startswith("grpo") else "exgrpo"],
+                    args.seeds)
         if phase == "diagnosis":
             for name in DIAGNOSES:
                 for lr in (best_lr["grpo"], max(args.lrs) * args.stability_lr_factor):
@@ -177,7 +220,7 @@ def eval_argv(args: argparse.Namespace, run: Run) -> list[str]:
     """The test-split evaluation of the finished run, preceded for weak-start runs by that of its warm start."""
     tool = [sys.executable, os.path.join(REPO, "tools", "arithmetic_eval.py"), "test", "--run-dir", run.run_dir]
     final = [*tool, "--out", os.path.join(run.run_dir, "test_eval.json")]
-    if run.phase != "weak_start":
+    if not run.weak_start:
         return final
     start = [*tool, "--weights", os.path.dirname(warm_start_ready(args, run)),
              "--out", os.path.join(run.run_dir, "start_eval.json")]
@@ -332,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             unplanned += sum(len(set(args.seeds) - set(args.sweep_seeds)) for arm in ARMS if best[arm] is None)
         if "ablation" in args.phase and best["exgrpo"] is None:
             unplanned += len(ABLATIONS) * len(args.ablation_seeds)
+        if "recipes" in args.phase and (best["exgrpo"] is None or best["grpo"] is None):
+            unplanned += (len(RECIPES) + len(WEAK_RECIPES)) * len(args.seeds)
         if unplanned:
             print(f"({unplanned} final/ablation runs wait for the sweep's validation results to pick the learning "
                   "rate; re-plan after the sweep to list them)")
@@ -340,13 +385,16 @@ def main(argv: list[str] | None = None) -> int:
     failed = [] if args.analyse_only else execute(args, runs)
     summary = fa.analyse(args.records, ARMS, ABLATIONS, best, args.seeds, args.ablation_seeds, args.threshold,
                          args.lrs, args.stability_lr_factor, args.out_png, DIAGNOSES, args.sweep_seeds)
+    summary["recipes"] = rc.analyse_recipes(args.records, RECIPES, WEAK_RECIPES, MATCHED_GRPO, best, args.seeds,
+                                            args.threshold, os.path.splitext(args.out_png)[0] + "_recipes.png")
     summary.update(command=shlex.join(["bench/exgrpo_vs_grpo.py", *(argv if argv is not None else sys.argv[1:])]),
                    config_name=args.config_name, arm_overrides=ARMS, ablation_overrides=ABLATIONS, lrs=args.lrs,
                    diagnosis_overrides=DIAGNOSES, weak_start_overrides=WEAK_START, sweep_seeds=args.sweep_seeds,
+                   recipe_overrides={**RECIPES, **WEAK_RECIPES},
                    seeds=args.seeds,
                    ablation_seeds=args.ablation_seeds,
                    failed_runs=failed, cpu_count=os.cpu_count(), loadavg=os.getloadavg())
-    summary["markdown"] = fa.markdown_tables(summary)  # README-ready; also written beside the JSON as .md
+    summary["markdown"] = fa.markdown_tables(summary) + "\n\n" + rc.markdown(summary["recipes"])  # also beside the JSON
     os.makedirs(os.path.dirname(args.out_json), exist_ok=True)
     with open(args.out_json, "w") as fh:
         json.dump(summary, fh, indent=1)

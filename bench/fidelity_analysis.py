@@ -2,7 +2,8 @@
 trajectories to a validation threshold, the logged curves (entropy, replay share, IS weights, bucket occupancy).
 
 95% CI of a mean over n seeds: mean +- t_{0.975, n-1} * s / sqrt(n) (s the sample std, ddof=1).
-Generated trajectories of a step: B*K - (replayed questions) (a replayed question's K-th member is stored).
+Generated trajectories of a step: the run's `generation/trajectories` (every run records it now); records from before
+it: B*K - (replayed questions) (a replayed question's K-th member is stored; those runs displaced, never appended).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def load_run(path: str) -> dict | None:
     out: dict = {"steps": [], "trajectories": [], "total_steps": cfg.trainer.total_steps, "rollouts_per_step": per_step}
     total = 0.0
     for r in records:
-        total += per_step - float(r.get("experience/n_replayed", 0.0))
+        recorded = r.get("generation/trajectories")
+        total += float(recorded) if recorded is not None else per_step - float(r.get("experience/n_replayed", 0.0))
         out["steps"].append(r["step"])
         out["trajectories"].append(total)
         for key in CURVES[1:]:

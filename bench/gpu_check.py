@@ -57,7 +57,7 @@ RL_STEP_GPU = ["model=qwen2_5_math_1_5b", "model.hf_path=null", "model.params_dt
                "trainer.micro_batch_max_tokens=16384"]
 RL_STEP_SMOKE = ["trainer.train_batch_size=4", "trainer.ppo_mini_batch_size=4", "rollout.n=2",
                  "data.max_response_length=8"]
-RL_STEP_COMMON = ["trainer.val_every=0", "trainer.sft_warm_start_steps=0", "trainer.delayed_start_pass_rate=0",
+RL_STEP_COMMON = ["trainer.val_every=0", "trainer.sft_warm_start_steps=0", "experience.delayed_start_pass_rate=0",
                   "checkpoint.save_every=100000", "logging.progress_bar=false", "logging.tensorboard=false"]
 
 

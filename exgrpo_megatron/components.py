@@ -7,11 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from exgrpo_megatron.algo.protocol import ExperienceKnobs, RLAlgorithm
+from exgrpo_megatron.algo.protocol import RLAlgorithm
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.derived import updates_per_step
 from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
-from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.config.schema import ExperienceConfig, RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.datasets import PromptDataset
 from exgrpo_megatron.data.sampler import PromptSampler
@@ -66,7 +66,7 @@ class Components:
     val_data: PromptDataset | None
     sampler: PromptSampler
     algorithm: RLAlgorithm  # algo.name (algo/registry.py)
-    pool: ShardedExperiencePool | None  # None: on-policy (the algorithm has no experience knobs)
+    pool: ShardedExperiencePool | None  # None: on-policy (the algorithm uses no pool); settings: `pool.settings`
     schedule: ExperienceSchedule  # the phase: warm-up -> collecting -> mixed
     policy: Policy
     rollout: RolloutService  # this rank's engine + grader: generation and grading
@@ -116,13 +116,10 @@ def build_engine_for(cfg: RootConfig, chunks: list, tokenizer: Tokenizer,
         max_batch_sequences=cfg.rollout.max_batch_sequences, weights_version=weights_version)
 
 
-def build_pool(knobs: ExperienceKnobs, group_size: int, dp_group: Any = None) -> ShardedExperiencePool:
-    """The experience pool with the algorithm's selection knobs: question selection (bucket manager, mu, sigma),
-    trajectory selection (metric, select mode), storage bounds and cap."""
-    return ShardedExperiencePool(
-        group_size, knobs.replayable_correct_above, knobs.replayable_correct_at_most,
-        knobs.max_trajectories_per_question, knobs.bucket_manager, knobs.bucket_mu, knobs.bucket_sigma, knobs.metric,
-        dp_group=dp_group, select_mode=knobs.select_mode)
+def build_pool(settings: ExperienceConfig, group_size: int, dp_group: Any = None) -> ShardedExperiencePool:
+    """The experience pool with the `experience` group's settings: admission / retirement / age bounds and cap,
+    question selection (bucket manager, mu, sigma), trajectory selection (metric, select mode)."""
+    return ShardedExperiencePool(group_size, settings, dp_group=dp_group)
 
 
 def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
@@ -135,10 +132,9 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
     train, val = build_datasets(cfg, tokenizer)
     dp_group = ps.get_data_parallel_group_gloo() if layout.dp_size > 1 else None
     algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
-    knobs = algorithm.experience
-    pool = build_pool(knobs, cfg.rollout.n, dp_group) if knobs is not None else None
-    start = knobs.delayed_start_pass_rate if knobs is not None else 0.0
-    schedule = ExperienceSchedule(start, enabled=knobs is not None)
+    pool = build_pool(cfg.experience, cfg.rollout.n, dp_group) if algorithm.uses_pool else None
+    schedule = ExperienceSchedule(cfg.experience.delayed_start_pass_rate if pool is not None else 0.0,
+                                  enabled=pool is not None)
     policy = Policy(cfg)
     return Components(
         cfg=cfg, layout=layout, tokenizer=tokenizer, train_data=train, val_data=val,

@@ -51,6 +51,7 @@ class RunState:
     requeue_exit_code: int = REQUEUE_EXIT_CODE
     last_saved: int = field(default=-1)
     ahead: AheadGeneration | None = None  # rollout.max_staleness > 0: the generator process and the plans in flight
+    generated: dict[str, float] = field(default_factory=lambda: {"trajectories": 0.0, "tokens": 0.0})  # cumulative
 
     @classmethod
     def start(cls, c: Components, preemption: PreemptionHandler) -> RunState:
@@ -106,7 +107,7 @@ class RunState:
         return parts
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "consecutive_skips": self.consecutive_skips,
+        return {"step": self.step, "consecutive_skips": self.consecutive_skips, "generated": dict(self.generated),
                 **{name: part.state_dict() for name, part in self.stateful_parts().items()}}
 
     def save(self, step: int) -> None:
@@ -135,6 +136,11 @@ class RunState:
         ts = loaded.trainer_state
         self.step = self.last_saved = int(ts["step"])
         self.consecutive_skips = int(ts["consecutive_skips"])
+        if "generated" in ts:
+            self.generated = {k: float(v) for k, v in ts["generated"].items()}
+        elif c.layout.rank == 0:  # a checkpoint from before the counts
+            print("exgrpo-train: resume: the checkpoint has no generation counts; generation/*_total count from "
+                  "this resume", file=sys.stderr)
         if "schedule" not in ts:  # a checkpoint from before the schedule
             ts = {**ts, "schedule": legacy_state(ts["switch"], bool(ts["collected_once"]))}
         for name, part in self.stateful_parts().items():
@@ -150,6 +156,9 @@ class RunState:
         assert self.logger is not None and self.progress is not None, "RunState.start sets them"
         self.step = step
         metrics["optim/consecutive_skips"] = float(self.consecutive_skips)
+        for key in ("trajectories", "tokens"):  # cumulative generation (the step's: generation/<key>)
+            self.generated[key] += float(metrics.get(f"generation/{key}", 0.0))
+            metrics[f"generation/{key}_total"] = self.generated[key]
         self.logger.log(step, metrics)
         self.progress.update(step, metrics)
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from exgrpo_megatron.algo.loss import mult_prob_error_sums
 from exgrpo_megatron.policy.policy import UpdateResult
 from exgrpo_megatron.policy.train_batch import RolloutRows, TrainBatch
+from exgrpo_megatron.rollout.types import Sample
 
 
 def rollout_mismatch(batch: TrainBatch) -> tuple[float, float]:
@@ -76,6 +77,15 @@ def rollout_sums(rows: RolloutRows) -> dict[str, float]:
             "fresh_sum": float(sum(fresh)), "fresh_n": float(len(fresh)), "replay_sum": float(sum(replay)),
             "replay_n": float(len(replay)), "length_sum": float(sum(rows.response_lengths)),
             "tokens": float(sum(len(s) for s in rows.sequences))}
+
+
+def generation_sums(graded_samples: list[list[Sample]]) -> dict[str, float]:
+    """The trajectories and response tokens this rank's engine generated this step: every graded group's samples
+    (refill rounds and groups the filter dropped included) except the stored trajectories spliced into replayed
+    groups. The step's compute in generation, to compare recipes at equal generation (`generation/*`)."""
+    generated = [s for group in graded_samples for s in group if not s.is_replay]
+    return {"generated_trajectories": float(len(generated)),
+            "generated_tokens": float(sum(len(s.response_ids) for s in generated))}
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,8 @@ def step_summary(reduced: Totals, updates: tuple[UpdateMetrics, ...],
         "mismatch/token_mult_prob_error": mean("mismatch_sum", "mismatch_n"),
         "reward/grader_worker_deaths": s.get("grader_deaths", 0.0),
         "tokens/total": s.get("tokens", 0.0),
+        "generation/trajectories": s.get("generated_trajectories", 0.0),
+        "generation/tokens": s.get("generated_tokens", 0.0),
         **loss_metrics({k: v for d in (reduced.loss_sums, reduced.loss_maxes) for k, v in sorted(d.items())}),
         "grad_norm": max((u.result.grad_norm for u in updates), default=0.0),
         "lr": updates[-1].result.lr if updates else 0.0,

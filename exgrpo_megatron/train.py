@@ -1,6 +1,6 @@
 """`python -m exgrpo_megatron.train --config-name <preset> [hydra overrides]` (console script `exgrpo-train`).
 
-    exgrpo-train --config-name exgrpo_7b trainer.experience_ratio=0.25 ++parallel.tensor_model_parallel_size=4
+    exgrpo-train --config-name exgrpo_7b experience.ratio=0.25 ++parallel.tensor_model_parallel_size=4
     exgrpo-train --config-name exgrpo_7b --dry-run --world-size 16     # validate + print the plan, no model
     exgrpo-train --config-name exgrpo_7b --dry-run --world-size 16 --phase-times runs/exgrpo_7b-1234
 
@@ -87,7 +87,7 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
         except ValueError as exc:
             print(f"exgrpo-train: {exc}", file=sys.stderr)
             return EXIT_INVALID_CONFIG
-        print(dry_run_report(cfg, world_size, replays=algorithm.experience is not None, phase_times=times))
+        print(dry_run_report(cfg, world_size, replays=algorithm.uses_pool, phase_times=times))
         for line in path_errors(cfg):  # not needed for the plan; a real run would stop on them (exit 2)
             print(f"exgrpo-train: dry run: a run would exit 2 on {line}", file=sys.stderr)
         return 0

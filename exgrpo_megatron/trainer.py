@@ -47,6 +47,7 @@ from exgrpo_megatron.step_metrics import (
     UpdateMetrics,
     consecutive_skips_after,
     dp_reduce,
+    generation_sums,
     local_totals,
     pop_mismatch,
     rollout_mismatch,
@@ -115,7 +116,8 @@ def train_on(c: Components, state: RunState, rollouts: StepRollouts, phase: Phas
     updates = update_policy(c, batch, len(rollouts.groups), phase)
     state.consecutive_skips = consecutive_skips_after(state.consecutive_skips, [u.result.skipped for u in updates])
     timer.lap("update")
-    return TrainMetrics(rollout_sums(rows), mismatch, tuple(updates), forward_rows)
+    sums = {**rollout_sums(rows), **generation_sums(rollouts.graded_samples)}
+    return TrainMetrics(sums, mismatch, tuple(updates), forward_rows)
 
 
 def step_report(c: Components, trained: TrainMetrics, grader_deaths: int, timer: StepTimer, phase: Phase,
@@ -157,10 +159,11 @@ def plan_step(c: Components, step: int, phase: Phase) -> list[QuestionGroup]:
     reuse = c.old_logprobs == "rollout"
     scorer = make_scorer(c.policy, s.micro_batch_max_tokens, c.train_data,
                          logprob_temperature=s.sampling.temperature if reuse else None)
-    ratio = c.algorithm.experience.ratio if c.algorithm.experience is not None else 0.0
+    x = c.pool.settings if c.pool is not None else None
     return compose_step(c.train_data, c.sampler, c.pool, replay_on=phase is Phase.MIXED,
-                        batch_size=s.batch_size, experience_ratio=ratio, step_seed=step_seed(s.seed, step),
-                        scorer=scorer)
+                        batch_size=s.batch_size, experience_ratio=x.ratio if x else 0.0,
+                        step_seed=step_seed(s.seed, step), scorer=scorer,
+                        placement=x.placement if x else "displace")
 
 
 def generate(c: Components, mine: list[QuestionGroup], step: int, refill_round: int = 0) -> GeneratedGroups:
@@ -224,10 +227,11 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase)
 
 
 def collect_into_pool(c: Components, rollouts: StepRollouts, step: int) -> None:
-    """What the pool learns from every group graded this step, trained on or not (nothing without a pool), then
-    the schedule's step end (its phase follows the step's solved fraction)."""
+    """What the pool learns from every group graded this step, trained on or not (nothing without a pool), its age
+    bound (`experience.max_age_steps`), then the schedule's step end (its phase follows the step's solved fraction)."""
     if c.pool is not None:
         c.pool.update(pool_outcomes(c.algorithm, rollouts, step, collect=c.schedule.collects))
+        c.pool.expire(step)
     all_rewards = [x for group_rewards in rollouts.graded_rewards for x in group_rewards]
     c.schedule.end_step(solved_fraction(all_rewards, c.dp_group), step)
 

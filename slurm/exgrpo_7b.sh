@@ -2,7 +2,7 @@
 # The paper's recipe: ExGRPO on Qwen2.5-Math-7B, 8x H100 80GB (conf/exgrpo_7b.yaml).
 #
 #   sbatch slurm/exgrpo_7b.sh                              # from the repository root
-#   sbatch --nodes=2 slurm/exgrpo_7b.sh trainer.experience_ratio=0.25
+#   sbatch --nodes=2 slurm/exgrpo_7b.sh experience.ratio=0.25
 #   RUN_NAME=exgrpo_7b-1234 sbatch slurm/exgrpo_7b.sh      # continue an earlier run in a new job
 #   sbatch --nodes=2 slurm/exgrpo_7b.sh --max-staleness 1 trainer.train_batch_size=112 trainer.ppo_mini_batch_size=56
 #                                     # generate one step ahead (or MAX_STALENESS=1): rollout.max_staleness=1

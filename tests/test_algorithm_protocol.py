@@ -39,7 +39,7 @@ def test_builtin_variants_are_registered_and_implement_the_protocol():
     assert {"exgrpo", "grpo"} <= set(registered_names())
     exgrpo, grpo = _build("algo.name=exgrpo"), _build("algo.name=grpo")
     assert isinstance(exgrpo, RLAlgorithm) and isinstance(grpo, RLAlgorithm)
-    assert exgrpo.experience is not None and grpo.experience is None
+    assert exgrpo.uses_pool and not grpo.uses_pool
     assert not exgrpo.filters_groups and not grpo.filters_groups
 
 

@@ -21,11 +21,11 @@ def _errors(name: str, overrides: list[str], world_size: int = 8) -> str:
 
 
 def test_overrides_apply_and_defaults_follow_the_paper():
-    cfg = load_config("exgrpo_7b", ["trainer.experience_ratio=0.25", "++parallel.tensor_model_parallel_size=4"])
-    assert cfg.trainer.experience_ratio == 0.25
+    cfg = load_config("exgrpo_7b", ["experience.ratio=0.25", "++parallel.tensor_model_parallel_size=4"])
+    assert cfg.experience.ratio == 0.25
     assert cfg.parallel.tensor_model_parallel_size == 4
     assert (cfg.rollout.n, cfg.optim.lr, cfg.algo.shaping_beta, cfg.algo.entropy_coeff) == (8, 1e-6, 0.1, 0.001)
-    assert (cfg.trainer.delayed_start_pass_rate, cfg.trainer.replayable_correct_at_most, cfg.trainer.total_steps) == (
+    assert (cfg.experience.delayed_start_pass_rate, cfg.experience.admit_correct_at_most, cfg.trainer.total_steps) == (
         0.35, 7, 701)
     validate(cfg, 8, check_paths=False)  # the preset's model and data are not on this machine
 
@@ -35,15 +35,15 @@ def test_overrides_apply_and_defaults_follow_the_paper():
     [
         (["++parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size"),
         (["model.num_query_groups=3"], "model.num_query_groups"),
-        (["trainer.experience_ratio=1.0"], "trainer.experience_ratio"),
-        (["trainer.experience_ratio=-0.1"], "trainer.experience_ratio"),
+        (["experience.ratio=1.0"], "experience.ratio"),
+        (["experience.ratio=-0.1"], "experience.ratio"),
         (["reward.timeout_seconds=1.5"], "reward.timeout_seconds"),
         (["reward.timeout_seconds=0"], "reward.timeout_seconds"),
         (["+trainer.no_such_key=1"], "trainer.no_such_key"),
         (["trainer.no_such_key=1"], "trainer.no_such_key"),
         (["rollout.engine=sglang"], "rollout.engine"),
         (["algo.loss_agg_mode=seq_mean"], "algo.loss_agg_mode"),
-        (["trainer.replayable_correct_at_most=8"], "trainer.replayable_correct_at_most"),
+        (["experience.admit_correct_at_most=8"], "experience.admit_correct_at_most"),
         (["++parallel.pipeline_model_parallel_size=1", "++parallel.virtual_pipeline_model_parallel_size=2"],
          "parallel.virtual_pipeline_model_parallel_size"),
         (["data.max_unparsable_answers=1.5"], "data.max_unparsable_answers"),
@@ -61,11 +61,11 @@ def test_world_size_must_divide_by_model_parallel():
 
 def test_cli_exits_2_with_the_key_before_building_anything():
     proc = subprocess.run(
-        [sys.executable, "-m", "exgrpo_megatron.train", "--config-name", "demo_cpu", "trainer.experience_ratio=2"],
+        [sys.executable, "-m", "exgrpo_megatron.train", "--config-name", "demo_cpu", "experience.ratio=2"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
-    assert "trainer.experience_ratio" in proc.stderr
+    assert "experience.ratio" in proc.stderr
 
 
 def test_transformer_engine_is_absent_on_cpu():
@@ -79,9 +79,18 @@ def test_transformer_engine_is_absent_on_cpu():
 
 @pytest.mark.parametrize("old, new, value", [
     ("algo.exp_is_correct", "algo.replay_is_correction", False),
-    ("trainer.experience_start_sratio", "trainer.delayed_start_pass_rate", 0.125),
-    ("trainer.experience_lbound", "trainer.replayable_correct_above", 1),
-    ("trainer.experience_rbound", "trainer.replayable_correct_at_most", 5),
+    ("trainer.experience_start_sratio", "experience.delayed_start_pass_rate", 0.125),
+    ("trainer.experience_lbound", "experience.admit_correct_above", 1),
+    ("trainer.experience_rbound", "experience.admit_correct_at_most", 5),
+    ("trainer.experience_ratio", "experience.ratio", 0.25),
+    ("trainer.delayed_start_pass_rate", "experience.delayed_start_pass_rate", 0.125),
+    ("trainer.replayable_correct_at_most", "experience.admit_correct_at_most", 5),
+    ("trainer.exp_metric", "experience.metric", "random"),
+    ("trainer.exp_bucket_manager", "experience.bucket_manager", "uniform"),
+    ("trainer.exp_bucket_mu", "experience.bucket_mu", 0.25),
+    ("trainer.exp_bucket_sigma", "experience.bucket_sigma", 1.5),
+    ("trainer.exp_max_trajectories_per_question", "experience.max_trajectories_per_question", 3),
+    ("trainer.exp_select_mode", "experience.select_mode", "argmax"),
 ])
 def test_a_renamed_key_is_accepted_under_its_old_name_with_a_notice(old, new, value, capsys):
     literal = str(value).lower() if isinstance(value, bool) else str(value)
@@ -98,8 +107,8 @@ def test_a_renamed_key_in_a_config_file_is_accepted(tmp_path, capsys):
     shutil.copytree(Path(__file__).resolve().parents[1] / "conf", conf)
     text = (conf / "demo_cpu.yaml").read_text().replace("trainer:\n", "trainer:\n  experience_start_sratio: 0.2\n", 1)
     (conf / "demo_cpu.yaml").write_text(text)
-    assert load_config("demo_cpu", [], config_dir=conf).trainer.delayed_start_pass_rate == 0.2
-    assert "trainer.experience_start_sratio is now trainer.delayed_start_pass_rate" in capsys.readouterr().err
+    assert load_config("demo_cpu", [], config_dir=conf).experience.delayed_start_pass_rate == 0.2
+    assert "trainer.experience_start_sratio is now experience.delayed_start_pass_rate" in capsys.readouterr().err
 
 
 def test_an_unknown_preset_exits_2_listing_every_preset(capsys):

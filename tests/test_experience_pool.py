@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from exgrpo_megatron.config.schema import ExperienceConfig
 from exgrpo_megatron.experience import (
     CandidateScores,
     ExperienceSchedule,
@@ -84,7 +85,7 @@ def test_bucket_probabilities_paper_values_k8():
 
 # ---------------------------------------------------------------- draws
 def test_chi_square_bucket_frequencies_follow_p():
-    pool = ShardedExperiencePool(K, metric="random")
+    pool = ShardedExperiencePool(K, ExperienceConfig(metric="random"))
     fill(pool, {k: range(1000 * k, 1000 * k + 200) for k in range(1, 8)})
     observed = np.zeros(K + 1)
     for seed in range(160):  # 160 x 64 = 10240 draws
@@ -117,7 +118,7 @@ def test_excess_over_a_small_bucket_is_reassigned_in_proportion_to_p():
 
 
 def test_sample_is_without_replacement_and_capped_by_pool_size():
-    pool = ShardedExperiencePool(K, metric="random")
+    pool = ShardedExperiencePool(K, ExperienceConfig(metric="random"))
     fill(pool, {3: range(0, 7), 4: range(100, 103), 6: range(200, 205)})
     everything = pool.sample(64, rng_seed=3)
     assert len(everything) == 15
@@ -150,21 +151,24 @@ def test_indexed_buckets_match_a_set_model_under_random_operations():
 
 # ---------------------------------------------------------------- update rules
 def test_eligibility_window_and_stale_bucket():
-    shard = ExperienceShard(K, replayable_correct_above=2, replayable_correct_at_most=5)
+    shard = ExperienceShard(K, ExperienceConfig(admit_correct_above=2, admit_correct_at_most=5))
     assert shard.update_group(1, 2, K, []) == "ignore"
     shard.update_group(1, 3, K, group(1, 3, [[1, 2, 3]]).trajectories())
     assert shard.bucket_of(1) == 3 and len(shard.candidates(1)) == 1
-    assert shard.update_group(1, 6, K, group(1, 6, [[9, 9]]).trajectories()) == "ignore"
+    assert shard.update_group(2, 6, K, group(2, 6, [[9, 9]]).trajectories()) == "ignore"  # above the admission
+    assert 2 not in shard
     assert shard.update_group(1, 0, K, []) == "ignore"
     assert shard.bucket_of(1) == 3 and len(shard.candidates(1)) == 1  # stale bucket kept
+    assert shard.update_group(1, 6, K, group(1, 6, [[9, 9]]).trajectories()) == "store"  # in the pool: up to K-1
+    assert shard.bucket_of(1) == 6 and len(shard.candidates(1)) == 2
     default = ExperienceShard(K)
-    assert (default.replayable_correct_above, default.replayable_correct_at_most) == (0, K - 1)
+    assert (default.admit_above, default.admit_at_most, default.retire_above) == (0, K - 1, K - 1)
     default.update_group(2, 7, K, group(2, 7, [[5]]).trajectories())
     assert default.bucket_of(2) == 7
 
 
 def test_retirement_removes_and_blocks_readding():
-    pool = ShardedExperiencePool(K, metric="random")
+    pool = ShardedExperiencePool(K, ExperienceConfig(metric="random"))
     pool.update([group(5, 3, [[1, 2], [3, 4]]), group(6, 2, [[7]])])
     assert pool.stats()["experience/trajectories"] == 3
     assert pool.update([group(5, K, [[1, 2]] * K)]) == [5]
@@ -179,14 +183,14 @@ def test_retirement_removes_and_blocks_readding():
 
 
 def test_duplicates_skipped_and_cap_evicts_oldest():
-    pool = ShardedExperiencePool(K, metric="random")
+    pool = ShardedExperiencePool(K, ExperienceConfig(metric="random"))
     pool.update([group(1, 2, [[1, 2, 3], [1, 2, 3]], step=0)])
     pool.update([group(1, 3, [[1, 2, 3], [1, 2]], step=1, logprob=-9.0)])
     stored = pool.shard.candidates(1)
     assert [t.token_ids.tolist() for t in stored] == [[1, 2, 3], [1, 2]]
     assert stored[0].logprobs.tolist() == [-0.5] * 3 and stored[0].step == 0  # first copy kept
     assert stored[0].token_ids.dtype == np.int32 and stored[0].logprobs.dtype == np.float32
-    capped = ShardedExperiencePool(K, max_trajectories_per_question=2, metric="random")
+    capped = ShardedExperiencePool(K, ExperienceConfig(max_trajectories_per_question=2, metric="random"))
     for step in range(4):
         capped.update([group(1, 2, [[step, step]], step=step)])
     assert [t.step for t in capped.shard.candidates(1)] == [2, 3]
@@ -254,14 +258,14 @@ def test_selection_uses_mean_not_total_entropy():
     short_high = [1, 1]  # mean 1.0, total 2.0
     long_low = [2] * 10  # mean 0.5, total 5.0
     short_top = [3]  # mean 2.0, total 2.0
-    pool = ShardedExperiencePool(K, metric="ent")
+    pool = ShardedExperiencePool(K, ExperienceConfig(metric="ent"))
     pool.update([group(11, 3, [short_high, long_low, short_top])])
     (choice,) = pool.sample(1, rng_seed=0, scorer=entropy_scorer)
     assert choice.trajectory.token_ids.tolist() == long_low  # total entropy would pick short_high
     scores = CandidateScores(mean_entropy=np.array([1.0, 0.5, 2.0]), mean_nll=np.array([0.2, 0.9, 0.1]))
     assert select_trajectory_index(scores, "ent", 3) == 1
     assert select_trajectory_index(scores, "ppl", 3) == 2
-    ppl_pool = ShardedExperiencePool(K, metric="ppl")
+    ppl_pool = ShardedExperiencePool(K, ExperienceConfig(metric="ppl"))
     ppl_pool.update([group(11, 3, [short_high, long_low, short_top])])
     assert ppl_pool.sample(1, 0, entropy_scorer)[0].trajectory.token_ids.tolist() == short_top
     rng = np.random.default_rng(0)
@@ -298,7 +302,7 @@ def _contents(pool):
 
 
 def test_state_round_trip_is_exact_and_pickle_free():
-    pool = ShardedExperiencePool(K, metric="random", max_trajectories_per_question=3)
+    pool = ShardedExperiencePool(K, ExperienceConfig(metric="random", max_trajectories_per_question=3))
     rng = np.random.default_rng(5)
     for step in range(6):
         groups = []
@@ -311,7 +315,7 @@ def test_state_round_trip_is_exact_and_pickle_free():
     for name, arr in state["arrays"].items():
         assert isinstance(arr, np.ndarray) and arr.dtype != object, name
     assert state["arrays"]["token_ids"].dtype == np.int32 and state["arrays"]["logprobs"].dtype == np.float32
-    restored = ShardedExperiencePool(K, metric="random", max_trajectories_per_question=3)
+    restored = ShardedExperiencePool(K, ExperienceConfig(metric="random", max_trajectories_per_question=3))
     restored.load_state_dict(state)
     assert _contents(restored) == _contents(pool)
     assert restored.retired_ids() == pool.retired_ids() and restored.stats() == pool.stats()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch.distributed as dist
 
+from exgrpo_megatron.config.schema import ExperienceConfig
 from exgrpo_megatron.experience import (
     CandidateScores,
     GroupOutcome,
@@ -56,7 +57,7 @@ def sharded_run() -> dict:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     dp_group = dist.new_group(ranks=list(range(DP)), backend="gloo")
-    pool = ShardedExperiencePool(K, max_trajectories_per_question=3, dp_group=dp_group)
+    pool = ShardedExperiencePool(K, ExperienceConfig(max_trajectories_per_question=3), dp_group=dp_group)
     newly_retired = []
     for step in range(STEPS):
         newly_retired.append(pool.update(step_groups(step, rank)))
@@ -64,19 +65,19 @@ def sharded_run() -> dict:
     state = pool.state_dict()
     all_states: list = [None] * DP
     dist.all_gather_object(all_states, state, group=dp_group)
-    same = ShardedExperiencePool(K, max_trajectories_per_question=3, dp_group=dp_group)
+    same = ShardedExperiencePool(K, ExperienceConfig(max_trajectories_per_question=3), dp_group=dp_group)
     same.load_state_dict(state)
-    union_reload = ShardedExperiencePool(K, max_trajectories_per_question=3, dp_group=dp_group)
+    union_reload = ShardedExperiencePool(K, ExperienceConfig(max_trajectories_per_question=3), dp_group=dp_group)
     union_reload.load_state_dicts(all_states)
-    single = ShardedExperiencePool(K, max_trajectories_per_question=3)  # DP=1 pool of all ranks' groups
+    single = ShardedExperiencePool(K, ExperienceConfig(max_trajectories_per_question=3))  # DP=1: all ranks' groups
     for step in range(STEPS):
         single.update([g for r in range(DP) for g in step_groups(step, r)])
-    from_single = ShardedExperiencePool(K, max_trajectories_per_question=3, dp_group=dp_group)
+    from_single = ShardedExperiencePool(K, ExperienceConfig(max_trajectories_per_question=3), dp_group=dp_group)
     from_single.load_state_dicts([single.state_dict()])  # reshard 1 -> 2
 
     # uniformity of the cross-rank split: one bucket of 30 questions, 20 on rank 0 and 10 on rank 1
     owned = {r: [q for q in range(1000, 2000) if owner_rank(q, DP) == r] for r in range(DP)}
-    uneven = ShardedExperiencePool(K, metric="random", dp_group=dp_group)
+    uneven = ShardedExperiencePool(K, ExperienceConfig(metric="random"), dp_group=dp_group)
     qids = owned[0][:20] + owned[1][:10]
     mine = [q for q in qids if owner_rank(q, DP) == rank]
     uneven.update([GroupOutcome(q, 4, K, [np.array([q], np.int32)], [np.zeros(1, np.float32)]) for q in mine])
@@ -91,7 +92,7 @@ def sharded_run() -> dict:
 
 def test_dp2_pool_equals_dp1_pool_and_sampling_is_global():
     results = run_on_ranks(sharded_run, world_size=DP)
-    reference = ShardedExperiencePool(K, max_trajectories_per_question=3)
+    reference = ShardedExperiencePool(K, ExperienceConfig(max_trajectories_per_question=3))
     ref_retired = []
     for step in range(STEPS):
         ref_retired.append(reference.update([g for r in range(DP) for g in step_groups(step, r)]))
@@ -128,7 +129,7 @@ def test_dp2_pool_equals_dp1_pool_and_sampling_is_global():
     for res in results:
         assert res["same"] == res["contents"] and res["union_reload"] == res["contents"]
         assert res["from_single"] == res["contents"]
-    single = ShardedExperiencePool(K, max_trajectories_per_question=3)
+    single = ShardedExperiencePool(K, ExperienceConfig(max_trajectories_per_question=3))
     single.load_state_dicts([res["state"] for res in results])
     assert contents(single) == ref_contents and single.retired_ids() == reference.retired_ids()
     assert single.stats() == reference.stats()

@@ -45,12 +45,15 @@ def replay_group(k_fresh_correct: int) -> tuple[QuestionGroup, list[Sample], lis
 
 
 def test_warm_up_collects_nothing_but_retires_solved_questions():
-    """[C] §1.2/§1.5: no collection before the mixed switch; k == K retires from step 1."""
+    """[C] §1.2/§1.5: no collection before the mixed switch (k only, no trajectory); k == K retires from step 1."""
     groups = [QuestionGroup(1, PROMPT, "1"), QuestionGroup(2, PROMPT, "1")]
     samples = [[fresh(i) for i in range(K)] for _ in groups]
     rewards = [[1.0] * K, [1.0] * 3 + [0.0] * 5]
     out = group_outcomes(groups, samples, rewards, step=1, collect=False)
-    assert [(o.qid, o.k_correct, len(o.correct_token_ids)) for o in out] == [(1, K, 0)]
+    assert [(o.qid, o.k_correct, len(o.correct_token_ids)) for o in out] == [(1, K, 0), (2, 3, 0)]
+    pool = ShardedExperiencePool(K)
+    pool.update(out)
+    assert pool.retired_ids() == {1} and pool.shard.num_questions == 0
     out = group_outcomes(groups, samples, rewards, step=2, collect=True)
     assert [(o.qid, o.k_correct, len(o.correct_token_ids)) for o in out] == [(1, K, K), (2, 3, 3)]
 

@@ -35,9 +35,8 @@ def gaussian_rates(mu: float, sigma: float, buckets=range(1, K)) -> dict[int, fl
 def filled_pool(cfg_overrides: list[str], trajectories_per_question: int = 1) -> ShardedExperiencePool:
     """A pool built from the fidelity preset's config, with QUESTIONS_PER_BUCKET questions in each bucket 1..7."""
     cfg = load_config("fidelity_cpu", cfg_overrides)
-    knobs = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length).experience
-    assert knobs is not None
-    pool = build_pool(knobs, cfg.rollout.n)
+    assert build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length).uses_pool
+    pool = build_pool(cfg.experience, cfg.rollout.n)
     outcomes = []
     for k in range(1, K):
         for j in range(QUESTIONS_PER_BUCKET):
@@ -59,7 +58,7 @@ def drawn_bucket_frequencies(pool: ShardedExperiencePool, draws: int = 300, n: i
 
 @pytest.mark.parametrize("mu,sigma", [(0.5, 1.0), (0.25, 1.0), (0.5, 0.5), (0.5, 1.5)])
 def test_gaussian_question_selection_draws_buckets_at_the_gaussian_rates(mu, sigma):
-    pool = filled_pool([f"trainer.exp_bucket_mu={mu}", f"trainer.exp_bucket_sigma={sigma}"])
+    pool = filled_pool([f"experience.bucket_mu={mu}", f"experience.bucket_sigma={sigma}"])
     freq = drawn_bucket_frequencies(pool)
     expected = gaussian_rates(mu, sigma)
     for k in range(1, K):
@@ -69,7 +68,7 @@ def test_gaussian_question_selection_draws_buckets_at_the_gaussian_rates(mu, sig
 
 
 def test_uniform_question_selection_draws_buckets_uniformly():
-    freq = drawn_bucket_frequencies(filled_pool(["trainer.exp_bucket_manager=uniform"]))
+    freq = drawn_bucket_frequencies(filled_pool(["experience.bucket_manager=uniform"]))
     for k in range(1, K):
         assert freq[k] == pytest.approx(1 / 7, abs=0.02), freq
 
@@ -81,7 +80,7 @@ def entropy_scorer(qids, candidates):
 
 @pytest.mark.parametrize("mode,expected", [("argmin", 0), ("argmax", None)])
 def test_trajectory_selection_lowest_and_highest_entropy(mode, expected):
-    pool = filled_pool([f"trainer.exp_select_mode={mode}"], trajectories_per_question=8)
+    pool = filled_pool([f"experience.select_mode={mode}"], trajectories_per_question=8)
     choices = pool.sample(64, rng_seed=3, scorer=entropy_scorer)
     assert len(choices) == 64
     for c in choices:
@@ -91,7 +90,7 @@ def test_trajectory_selection_lowest_and_highest_entropy(mode, expected):
 
 
 def test_random_trajectory_selection_is_uniform_and_ignores_the_scorer():
-    pool = filled_pool(["trainer.exp_metric=random", "trainer.exp_bucket_manager=uniform"], trajectories_per_question=8)
+    pool = filled_pool(["experience.metric=random", "experience.bucket_manager=uniform"], trajectories_per_question=8)
 
     def no_scorer(qids, candidates):
         raise AssertionError("random selection must not score")
@@ -131,10 +130,10 @@ def test_is_correction_switch_picks_recorded_or_current_old_logprobs():
 
 @pytest.mark.parametrize("rho,expected", [(0.25, 16), (0.5, 32), (0.75, 48)])
 def test_rho_sets_the_replayed_share_of_the_batch(rho, expected):
-    cfg = load_config("fidelity_cpu", [f"trainer.experience_ratio={rho}"])
-    quota = experience_quota(cfg.trainer.train_batch_size, cfg.trainer.experience_ratio)
+    cfg = load_config("fidelity_cpu", [f"experience.ratio={rho}"])
+    quota = experience_quota(cfg.trainer.train_batch_size, cfg.experience.ratio)
     assert quota == expected
-    pool = filled_pool([f"trainer.experience_ratio={rho}"])
+    pool = filled_pool([f"experience.ratio={rho}"])
     assert len(pool.sample(quota, rng_seed=0)) == expected  # the pool holds more: n_exp = min(quota, |E|)
     assert len(filled_pool([]).sample(10_000, rng_seed=0)) == 7 * QUESTIONS_PER_BUCKET
 
@@ -151,10 +150,12 @@ def _bench_module():
 @pytest.mark.parametrize("preset", ["fidelity_cpu", "paper_ratio_cpu"])
 def test_every_bench_variant_is_a_valid_config_override(preset):
     bench = _bench_module()
-    for name, overrides in {**bench.ARMS, **bench.ABLATIONS, **bench.DIAGNOSES, **bench.WEAK_START}.items():
+    variants = {**bench.ARMS, **bench.ABLATIONS, **bench.DIAGNOSES, **bench.WEAK_START, **bench.RECIPES,
+                **bench.WEAK_RECIPES}
+    for name, overrides in variants.items():
         cfg = load_config(preset, overrides)
         assert config_errors(cfg, world_size=1) == [], name
-        if name != "exgrpo":
+        if name not in ("exgrpo", "exgrpo_same_code"):  # the same-code rerun of an arm is that arm
             assert cfg != load_config(preset), f"{name} changes nothing"
 
 
@@ -165,10 +166,10 @@ def test_paper_ratio_preset_mirrors_the_paper_ratios():
     t, d = cfg.trainer, cfg.data
     assert d.num_train_examples / t.train_batch_size >= 300
     grpo_epochs = t.total_steps * t.train_batch_size / d.num_train_examples
-    exgrpo_epochs = t.total_steps * t.train_batch_size * (1 - t.experience_ratio) / d.num_train_examples
+    exgrpo_epochs = t.total_steps * t.train_batch_size * (1 - cfg.experience.ratio) / d.num_train_examples
     assert 1.8 <= grpo_epochs <= 2.2 and 0.9 <= exgrpo_epochs <= 1.1
     assert t.train_batch_size // t.ppo_mini_batch_size == 2 and cfg.rollout.n == 8
-    assert t.delayed_start_pass_rate == 0.35 and cfg.model.params_dtype == "fp32"
+    assert cfg.experience.delayed_start_pass_rate == 0.35 and cfg.model.params_dtype == "fp32"
     assert cfg.algo.entropy_microbatches_ref == 4 and cfg.algo.loss_seqs_per_rank_ref == 64
 
 
@@ -224,6 +225,30 @@ def test_weak_start_runs_use_each_arms_rate_and_their_own_warm_start(tmp_path):
 
 
 WEAK_ARMS = ("weak_exgrpo", "weak_grpo")
+
+
+def test_recipe_runs_take_their_algorithms_rate_and_weak_ones_the_weak_start(tmp_path):
+    bench = _bench_module()
+    args = bench.parse(["--root", str(tmp_path / "runs"), "--records", str(tmp_path / "records"), "--phase",
+                        "recipes"])
+    best = {"exgrpo": 5e-5, "grpo": 1e-4}
+    runs = bench.plan_runs(args, best)
+    assert len(runs) == (len(bench.RECIPES) + len(bench.WEAK_RECIPES)) * len(args.seeds) >= 10 * 5
+    on_policy = [r.variant.removeprefix("weak_").startswith("grpo") for r in runs]
+    assert {r.variant for r, grpo in zip(runs, on_policy, strict=True) if grpo} == {
+        "grpo_b12", "grpo_b10", "grpo_same_code", "weak_grpo_same_code"}
+    assert {(r.lr, grpo) for r, grpo in zip(runs, on_policy, strict=True)} == {(1e-4, True), (5e-5, False)}
+    weak = next(r for r in runs if r.variant == "weak_su01" and r.seed == 1)
+    assert "--weights" in bench.eval_argv(args, weak)  # its warm start is evaluated too
+    same_start = bench.Run("weak_start", "weak_exgrpo", 5e-5, 1, "x", "y")
+    assert bench.warm_start_ready(args, weak) == bench.warm_start_ready(args, same_start)
+    assert bench.plan_runs(args, {"exgrpo": None, "grpo": None}) == []  # they wait for the rate choice
+    for name, matched in bench.MATCHED_GRPO.items():  # the larger GRPO batch generates about what append does
+        cfg = load_config("paper_ratio_cpu", bench.RECIPES[name])
+        b, k = cfg.trainer.train_batch_size, cfg.rollout.n
+        append_per_step = b * k + int(cfg.experience.ratio * b) * (k - 1)
+        grpo_per_step = load_config("paper_ratio_cpu", bench.RECIPES[matched]).trainer.train_batch_size * k
+        assert abs(grpo_per_step - append_per_step) <= k // 2, name
 
 
 def test_weak_start_verdict_counts_collapses_and_the_rate_choice_is_marked_interior(tmp_path):

@@ -62,7 +62,7 @@ def test_fidelity_preset_is_valid_and_has_a_finite_set_revisited_over_epochs():
     assert config_errors(cfg, world_size=1) == []
     t, d = cfg.trainer, cfg.data
     fresh_grpo = t.total_steps * t.train_batch_size
-    fresh_exgrpo_lower = t.total_steps * (t.train_batch_size - int(t.experience_ratio * t.train_batch_size))
+    fresh_exgrpo_lower = t.total_steps * (t.train_batch_size - int(cfg.experience.ratio * t.train_batch_size))
     assert fresh_grpo / d.num_train_examples >= 2 and fresh_exgrpo_lower / d.num_train_examples >= 2
     assert d.num_val_examples > 0 and d.num_test_examples > 0
     assert cfg.algo.loss_seqs_per_rank_ref == 64

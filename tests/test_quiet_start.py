@@ -26,7 +26,7 @@ def _run(args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess
 def test_demo_entry_starts_with_the_startup_block_and_no_known_warning(tmp_path):
     proc = _run(["-m", "exgrpo_megatron.train", "--config-name", "demo_cpu", "trainer.total_steps=1",
                  "trainer.train_batch_size=4", "trainer.ppo_mini_batch_size=4", "trainer.sft_warm_start_steps=0",
-                 "trainer.val_every=0", "rollout.n=2", "trainer.replayable_correct_at_most=1",
+                 "trainer.val_every=0", "rollout.n=2", "experience.admit_correct_at_most=1",
                  "data.num_train_examples=16",
                  "checkpoint.save_every=100", "logging.progress_bar=false", f"logging.run_dir={tmp_path / 'run'}"])
     assert proc.returncode == 0, proc.stderr[-3000:]

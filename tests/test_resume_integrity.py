@@ -105,13 +105,20 @@ def test_a_batch_change_on_resume_says_what_really_changes():
 
 def test_a_checkpoint_config_under_renamed_keys_compares_as_the_new_names():
     """A checkpoint written before a key was renamed (config/aliases.py) resumes with no change announced for it."""
+    import dataclasses
+
+    import yaml
+
     cfg = load_config("demo_cpu", [])
-    old = to_yaml(cfg).replace("delayed_start_pass_rate:", "experience_start_sratio:").replace(
-        "replay_is_correction:", "exp_is_correct:").replace("replayable_correct_above:", "experience_lbound:").replace(
-        "replayable_correct_at_most:", "experience_rbound:")
-    assert all(name in old for name in ("experience_start_sratio", "exp_is_correct", "experience_lbound",
-                                        "experience_rbound"))
-    assert check_resume_config(old, cfg, "ckpt") == []
+    tree = dataclasses.asdict(cfg)
+    x = tree.pop("experience")  # the pool's keys under trainer.*, the oldest names where there were two
+    tree["algo"]["exp_is_correct"] = tree["algo"].pop("replay_is_correction")
+    tree["trainer"].update(experience_start_sratio=x["delayed_start_pass_rate"], experience_lbound=x[
+        "admit_correct_above"], experience_rbound=x["admit_correct_at_most"], experience_ratio=x["ratio"],
+        exp_metric=x["metric"], exp_bucket_manager=x["bucket_manager"], exp_bucket_mu=x["bucket_mu"],
+        exp_bucket_sigma=x["bucket_sigma"], exp_max_trajectories_per_question=x["max_trajectories_per_question"],
+        exp_select_mode=x["select_mode"])
+    assert check_resume_config(yaml.safe_dump(tree), cfg, "ckpt") == []
 
 
 def _flip(path: Path) -> None:

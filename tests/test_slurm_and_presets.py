@@ -301,7 +301,7 @@ def test_every_preset_resolves_and_validates(preset: str) -> None:
     cfg = load_config(preset, overrides)
     validate(cfg, world, check_paths=False)  # the presets' models and data are not on this machine
     algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
-    report = dry_run_report(cfg, world, replays=algorithm.experience is not None)
+    report = dry_run_report(cfg, world, replays=algorithm.uses_pool)
     assert "WARNING" not in report, report
 
 
@@ -312,13 +312,14 @@ def test_presets_follow_the_recipe() -> None:
         (128, 8, 1.0, 1024, 8192)
     assert (c7.optim.lr, c7.optim.lr_schedule, t.train_batch_size // t.ppo_mini_batch_size) == (1e-6, "constant", 2)
     assert (a.entropy_coeff, a.shaping_beta, a.replay_is_correction) == (0.001, 0.1, True)
-    assert (t.experience_ratio, t.delayed_start_pass_rate, t.replayable_correct_above, t.replayable_correct_at_most,
-            t.exp_bucket_sigma, t.total_steps, c7.checkpoint.save_every, t.val_every) == \
-        (0.5, 0.35, 0, 7, 1.0, 701, 50, 10)
+    x = c7.experience
+    assert (x.ratio, x.delayed_start_pass_rate, x.admit_correct_above, x.admit_correct_at_most, x.retire_above(r.n),
+            x.bucket_sigma, t.total_steps, c7.checkpoint.save_every, t.val_every) == \
+        (0.5, 0.35, 0, 7, 7, 1.0, 701, 50, 10)
     for preset in ("exgrpo_1_5b", "exgrpo_qwen7b_instruct", "exgrpo_llama8b", "exgrpo_llama8b_instruct"):
         assert load_config(preset).trainer.total_steps == 500
     base = load_config("exgrpo_llama8b")
-    assert base.trainer.delayed_start_pass_rate <= 0 and base.data.template == "llama_base"
+    assert base.experience.delayed_start_pass_rate <= 0 and base.data.template == "llama_base"
     assert base.reward.require_think is False and base.model.family == "llama"
     assert load_config("exgrpo_qwen7b_instruct").data.template == "chat"
     assert load_config("exgrpo_llama8b_instruct").data.template == "chat"

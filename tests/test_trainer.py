@@ -27,7 +27,7 @@ def _overrides(run_dir: str, tp: int = 1, pp: int = 1, extra: tuple[str, ...] = 
         "model=tiny_qwen2", "model.vocab_size=103", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
         "logging.progress_bar=false",
         "trainer.total_steps=3", "trainer.train_batch_size=4", "trainer.ppo_mini_batch_size=2", "rollout.n=4",
-        "trainer.replayable_correct_at_most=3", "trainer.delayed_start_pass_rate=0", "trainer.sft_warm_start_steps=0",
+        "experience.admit_correct_at_most=3", "experience.delayed_start_pass_rate=0", "trainer.sft_warm_start_steps=0",
         "trainer.val_every=0", "data.max_response_length=12", "data.num_train_examples=64",
         "trainer.micro_batch_max_tokens=256", "checkpoint.save_every=100", "optim.lr=1e-3", "optim.adam_eps=1e-3",
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}", *extra,

@@ -137,6 +137,23 @@ def test_dp2_shards_the_batch_and_agrees_on_the_totals(tmp_path, sft_dir):
         assert len(mine0) == len(mine1) == BATCH // 2 and not set(mine0) & set(mine1), step
 
 
+def test_dp2_append_keeps_every_fresh_group_and_counts_the_generation(tmp_path, sft_dir):
+    """experience.placement=append over DP=2: each step trains B fresh groups plus the replayed ones, split over the
+    ranks with none twice, and logs what was generated: K per fresh group, K-1 per replayed one."""
+    got = run_on_ranks(_train_dp_keeping_pool, 2, args=(_replay_overrides(
+        str(tmp_path / "append"), sft_dir, ("experience.placement=append",)),))
+    logged = got[0]["metrics"]
+    assert sum(m["experience/n_replayed"] for m in logged) > 0
+    total = 0.0
+    for m, mine0, mine1 in zip(logged, got[0]["groups"], got[1]["groups"], strict=True):
+        n = int(m["experience/n_replayed"])
+        assert len(mine0) + len(mine1) == BATCH + n and len(mine0) >= BATCH // 2 <= len(mine1), m["step"]
+        assert len(set(mine0) | set(mine1)) == BATCH + n  # no question twice in a step
+        assert m["generation/trajectories"] == (BATCH + n) * K - n
+        total += m["generation/trajectories"]
+        assert m["generation/trajectories_total"] == total and m["generation/tokens"] > 0
+
+
 # ------------------------------------------------------------------------------------------- replay + f(w)
 def _reference_logprobs(output, labels: torch.Tensor, vocab_size: int, temperature: float):
     """float64 log softmax(logits / T)[label] over the real vocabulary (padding ids get no mass); the logits
@@ -240,10 +257,12 @@ def _check_spliced(rec: dict) -> int:
     return n_replay
 
 
-def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = False) -> dict[str, float]:
+def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = False,
+                    tis_cap: float = 0.0) -> dict[str, float]:
     """float64 sums of one micro-batch (mixed phase): fresh -A*rho, rho = exp(logp - old); replay
     -A*f(w), w = exp(logp - recorded behaviour logp), f(w) = w / (w + beta). With replay_as_on_policy the
-    replay rows get the fresh formula (what a trainer that ignored is_replay would compute)."""
+    replay rows get the fresh formula (what a trainer that ignored is_replay would compute); with tis_cap > 0
+    the fresh formula times min(exp(old - recorded behaviour logp), tis_cap) (algo.replay_tis_cap)."""
     out = dict(pg_sum=0.0, w_sum=0.0, f_sum=0.0, w_max=0.0, replay_tokens=0.0, tokens=0.0)
     for (r, c), i in zip(call["starts"], call["rows"], strict=True):  # (row, column) of each sequence's start
         p, n = batch.prompt_lengths[i], batch.response_lengths[i]
@@ -251,7 +270,12 @@ def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = 
         assert call["mask"][r, span].all() and int(call["mask"][r, c:c + p + n].sum()) == n
         logp, adv = call["logp"][r, span], batch.advantages[i]
         out["tokens"] += n
-        if batch.is_replay[i] and not replay_as_on_policy:
+        if batch.is_replay[i] and tis_cap > 0:
+            old = call["old"][r, span].double()
+            u = torch.clamp(torch.exp(old - batch.behaviour_logprobs[i].double()), max=tis_cap)
+            out["pg_sum"] += float((-adv * u * torch.exp(logp - old)).sum())
+            out["replay_tokens"] += n
+        elif batch.is_replay[i] and not replay_as_on_policy:
             w = torch.exp(logp - batch.behaviour_logprobs[i].double())
             out["pg_sum"] += float((-adv * w / (w + beta)).sum())
             out["w_sum"] += float(w.sum())
@@ -301,6 +325,28 @@ def test_mixed_phase_replays_stored_trajectories_through_policy_shaping(tmp_path
     assert replay_steps >= 2 and informative >= 1, (replay_steps, informative)
     if HAS_TENSORBOARD:  # an optional extra: without it the run logs metrics.jsonl only
         _check_tensorboard(run_dir, got["metrics"])
+
+
+def test_truncated_is_replay_term_through_the_trainer(tmp_path, sft_dir):
+    """algo.replay_tis_cap with append and an age bound, through the real (packed) path: each micro-batch's loss is
+    the float64 reference with the truncated-IS replay term, and differs from the f(w) term on the same rows."""
+    cap = 1.2
+    got = run_on_ranks(_train_recording_replay, 1, args=(_replay_overrides(str(tmp_path / "tis"), sft_dir, (
+        "logging.tensorboard=false", "algo.policy_shaping=false", f"algo.replay_tis_cap={cap}",
+        "experience.placement=append", "experience.max_age_steps=2")),))[0]
+    informative = 0
+    for step, rec in got["steps"].items():
+        batch, n_replay = rec["batch"], _check_spliced(rec)
+        assert len(rec["groups"]) == BATCH + n_replay
+        refs = [_reference_loss(c, batch, BETA, tis_cap=cap) for c in rec["calls"]]
+        for r, c in zip(refs, rec["calls"], strict=True):
+            assert c["metrics"]["pg_loss"] * c["kw"]["pg_normaliser"] == pytest.approx(r["pg_sum"], rel=REL, abs=ABS)
+        assert sum(r["tokens"] for r in refs) == sum(batch.response_lengths)
+        shaped = sum(_reference_loss(c, batch, BETA)["pg_sum"] for c in rec["calls"])
+        if any(batch.advantages[i] != 0 for i, rep in enumerate(batch.is_replay) if rep):
+            informative += 1
+            assert abs(shaped - sum(r["pg_sum"] for r in refs)) > 1e-3, step
+    assert informative >= 1
 
 
 def _check_tensorboard(run_dir: str, records: list[dict]) -> None:

@@ -15,6 +15,9 @@ Per-token loss l_t (no KL term; the original has none):
     l = -A*f(w),  f(w) = w / (w + beta),  beta = 0.1              (policy shaping, Eq. 4)
     l = -A*w      with algo.policy_shaping=false                  (plain unclipped IS: paper Tab. 6 "w/o shaping";
                                                                    the original's off_policy_reshape=no_reshape)
+    with algo.replay_tis_cap = C > 0 (no shaping; `replay_truncated_is_loss`): the fresh-token loss of the phase
+      against pi_old, times u = min(exp(logp_old - logp_behaviour), C) detached -- the ExGRPO authors' Megatron port
+      (SU-01): replayed samples carry their recorded log-probs and the ordinary truncated-IS path corrects them
 Total loss of one micro-batch on one rank:
   L_mb = sum_{i,t} m*l / pg_normaliser  -  entropy_coeff * sum_{i,t} m*H / entropy_normaliser
 
@@ -162,6 +165,19 @@ def replay_token_loss(log_w: Tensor, advantages: Tensor, beta: float = 0.1, shap
     return -advantages * replay_weight(log_w, beta, shaping)
 
 
+def replay_truncated_is_loss(log_rho: Tensor, old_logprobs: Tensor, denominator_logprobs: Tensor, advantages: Tensor,
+                             cap: float, clip: bool, clip_ratio: float = 0.2) -> tuple[Tensor, Tensor]:
+    """Per-token loss of replayed tokens corrected by truncated IS instead of shaped (`algo.replay_tis_cap`):
+        l = u * fresh_token_loss(log_rho),  u = min(exp(logp_old - logp_denominator), cap)  detached,
+    log_rho = logp - logp_old; the denominator is the trajectory's recorded pi_past (`replay_is_correction`). The
+    product's gradient is u * the fresh-token gradient: pi_theta / pi_past truncated at cap * pi_theta / pi_old, the
+    truncated-IS estimator of Ionides 2008 as Yao et al. 2025 and slime's `--use-tis` apply it. Returns (loss, the
+    weight u)."""
+    weight = truncated_is_weight(old_logprobs, denominator_logprobs, cap).weight
+    loss, _ = fresh_token_loss(log_rho, advantages, clip=clip, clip_ratio=clip_ratio)
+    return loss * weight.to(loss.dtype), weight
+
+
 class TruncatedIS(NamedTuple):
     """Per-token truncated importance weights of fresh tokens and where the cap bound them."""
 
@@ -202,6 +218,7 @@ def exgrpo_loss(
     clip_ratio: float = 0.2,
     shaping_beta: float = 0.1,
     policy_shaping: bool = True,
+    replay_tis_cap: float = 0.0,
     entropy_coeff: float = 0.001,
     pg_normaliser: float,
     entropy_normaliser: float,
@@ -216,6 +233,7 @@ def exgrpo_loss(
     entropy: [B, T] token entropies (differentiable or not), or None to leave out the entropy bonus.
     mixed_phase: False = warm-up (PPO clip on fresh tokens), True = mixed (unclipped).
     policy_shaping: True = f(w) on replayed tokens, False = the plain ratio w (`replay_weight`).
+    replay_tis_cap: > 0: replayed tokens take `replay_truncated_is_loss` instead (policy_shaping unused).
     pg_normaliser, entropy_normaliser: from `loss_normalisers` on DP-global counts.
     fresh_is_weights: `truncated_is_weight` per token [B, T]; fresh tokens' loss is multiplied by its weight
     (replayed tokens keep f(w) against their replay denominator). None: no correction (the weight-free code path).
@@ -240,7 +258,16 @@ def exgrpo_loss(
         fresh_loss = fresh_loss * is_weight
     else:
         is_weight, is_truncated = torch.zeros_like(zero), torch.zeros_like(fresh)
-    replay_loss = replay_token_loss(log_w, adv, beta=shaping_beta, shaping=policy_shaping)
+    if replay_tis_cap > 0:
+        log_rho_replay = torch.where(replay, logprobs - old_logprobs, zero)
+        replay_loss, tis = replay_truncated_is_loss(
+            log_rho_replay, torch.where(replay, old_logprobs, zero),
+            torch.where(replay, replay_denominator_logprobs, zero), adv, replay_tis_cap, clip=not mixed_phase,
+            clip_ratio=clip_ratio)
+        replay_effective = tis * torch.exp(log_rho_replay)
+    else:
+        replay_loss = replay_token_loss(log_w, adv, beta=shaping_beta, shaping=policy_shaping)
+        replay_effective = replay_weight(log_w, shaping_beta, policy_shaping)
     token_loss = torch.where(replay, replay_loss, torch.where(fresh, fresh_loss, zero))
     pg_loss = token_loss.sum() / pg_normaliser
     loss = pg_loss
@@ -265,8 +292,7 @@ def exgrpo_loss(
             "approx_kl_sum": torch.where(fresh, approx_kl_k3(log_rho), zero).sum(),
             "replay_weight_sum": torch.where(replay, w, zero).sum(),
             "replay_weight_max": torch.where(replay, w, zero).max() if w.numel() else zero,
-            "replay_shaped_weight_sum": torch.where(replay, replay_weight(log_w, shaping_beta, policy_shaping),
-                                                    zero).sum(),
+            "replay_shaped_weight_sum": torch.where(replay, replay_effective, zero).sum(),
             "entropy_sum": entropy_sum,
             "fresh_is_weight_sum": torch.where(fresh, is_weight, zero).sum(),  # 0 without a correction
             "fresh_is_truncated_count": is_truncated.sum(),

@@ -9,8 +9,8 @@ The trainer asks the algorithm, and nothing else, for
     log-probs and entropy, pi_old, the behaviour log-probs -- those of the policy that generated the response:
     the engine's, or a replayed trajectory's recorded ones --, the advantage, the replay flag), with the
     update's DP-global normalisers (`normalisers`) and the phase (`clips(phase)`: PPO clip on fresh tokens);
-  * `experience` (the pool's knobs, None = on-policy: no pool) and `pool_outcome` (what the pool learns
-    from one graded group);
+  * `uses_pool` (False = on-policy: no pool; the pool's settings are the `experience` config group's) and
+    `pool_outcome` (what the pool learns from one graded group);
   * `metric_reduce_op` / `step_metrics`: how its loss metrics combine and the step metrics it declares.
 
 A variant is one file in algo/variants/ that registers its class under a name (`registry.register`) and is
@@ -33,22 +33,6 @@ from exgrpo_megatron.experience.types import GroupOutcome
 
 
 @dataclass(frozen=True)
-class ExperienceKnobs:
-    """The experience pool's knobs (paper §4.1-4.2; config: trainer.experience_* / trainer.exp_*)."""
-
-    ratio: float  # rho: share of the batch drawn from the pool
-    delayed_start_pass_rate: float  # mixed mode once a step's solved fraction exceeds this (<= 0: from step 1)
-    replayable_correct_above: int  # a question is replayable iff replayable_correct_above < k <= ..._at_most
-    replayable_correct_at_most: int
-    max_trajectories_per_question: int  # 0 = no cap
-    bucket_manager: str  # question selection: bucket weights normal | uniform | linear | sqrt
-    bucket_mu: float
-    bucket_sigma: float
-    metric: str  # trajectory selection: ent | ppl | random
-    select_mode: str  # argmin (paper) | argmax (Tab. 6 "highest entropy")
-
-
-@dataclass(frozen=True)
 class GradedResponse:
     """One graded response of a group, as the pool hook sees it."""
 
@@ -68,8 +52,9 @@ class RLAlgorithm(Protocol):
         ...
 
     @property
-    def experience(self) -> ExperienceKnobs | None:
-        """The experience pool's knobs; None: on-policy (no pool, the schedule stays in warm-up)."""
+    def uses_pool(self) -> bool:
+        """Does it train with the experience pool (configured by the `experience` group, conf/experience/)?
+        False: on-policy (no pool, the schedule stays in warm-up)."""
         ...
 
     @classmethod

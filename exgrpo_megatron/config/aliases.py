@@ -11,9 +11,20 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 RENAMED_KEYS: dict[str, str] = {
     "algo.exp_is_correct": "algo.replay_is_correction",
-    "trainer.experience_start_sratio": "trainer.delayed_start_pass_rate",
-    "trainer.experience_lbound": "trainer.replayable_correct_above",
-    "trainer.experience_rbound": "trainer.replayable_correct_at_most",
+    "trainer.experience_start_sratio": "experience.delayed_start_pass_rate",
+    "trainer.experience_lbound": "experience.admit_correct_above",
+    "trainer.experience_rbound": "experience.admit_correct_at_most",
+    # the pool's settings moved from trainer.* into their own group (conf/experience/)
+    "trainer.experience_ratio": "experience.ratio",
+    "trainer.delayed_start_pass_rate": "experience.delayed_start_pass_rate",
+    "trainer.replayable_correct_above": "experience.admit_correct_above",
+    "trainer.replayable_correct_at_most": "experience.admit_correct_at_most",
+    "trainer.exp_metric": "experience.metric",
+    "trainer.exp_bucket_manager": "experience.bucket_manager",
+    "trainer.exp_bucket_mu": "experience.bucket_mu",
+    "trainer.exp_bucket_sigma": "experience.bucket_sigma",
+    "trainer.exp_max_trajectories_per_question": "experience.max_trajectories_per_question",
+    "trainer.exp_select_mode": "experience.select_mode",
 }
 _OVERRIDE_PREFIXES = ("++", "+", "~")
 

@@ -103,18 +103,22 @@ DOMAINS: dict[str, Domain] = {
     "algo.entropy_microbatches_ref": POSITIVE,
     "algo.max_refill_rounds": NON_NEGATIVE,  # 0 = a dropped group is not replaced
     "algo.fresh_is_cap": NON_NEGATIVE,  # 0 = no truncated IS on fresh tokens
+    "algo.replay_tis_cap": NON_NEGATIVE,  # 0 = replayed tokens through f(w) (or w without shaping)
     # trainer
     "trainer.total_steps": AT_LEAST_1, "trainer.train_batch_size": AT_LEAST_1,
     "trainer.ppo_mini_batch_size": AT_LEAST_1, "trainer.micro_batch_max_tokens": AT_LEAST_1,
     "trainer.train_threads": NON_NEGATIVE,  # 0 = this rank's share of the node's cores
-    "trainer.experience_ratio": Domain(lo=0, hi=1, hi_open=True),
-    "trainer.delayed_start_pass_rate": Domain(hi=1),  # <= 0: mixed mode from step 1
-    "trainer.replayable_correct_above": NON_NEGATIVE, "trainer.replayable_correct_at_most": NON_NEGATIVE,
-    "trainer.exp_bucket_mu": ANY_FINITE, "trainer.exp_bucket_sigma": POSITIVE,
-    "trainer.exp_max_trajectories_per_question": NON_NEGATIVE,  # 0 = no cap
     "trainer.val_every": NON_NEGATIVE,  # 0 = never
     "trainer.val_n": AT_LEAST_1, "trainer.sft_warm_start_steps": NON_NEGATIVE,
     "trainer.sft_warm_start_lr": POSITIVE,
+    # experience
+    "experience.ratio": Domain(lo=0, hi=1, hi_open=True),
+    "experience.delayed_start_pass_rate": Domain(hi=1),  # <= 0: mixed mode from step 1
+    "experience.admit_correct_above": NON_NEGATIVE, "experience.admit_correct_at_most": NON_NEGATIVE,
+    "experience.retire_correct_above": Domain(lo=0, none_ok=True),  # None = K - 1
+    "experience.max_age_steps": NON_NEGATIVE,  # 0 = no age bound
+    "experience.bucket_mu": ANY_FINITE, "experience.bucket_sigma": POSITIVE,
+    "experience.max_trajectories_per_question": NON_NEGATIVE,  # 0 = no cap
     # data
     "data.max_prompt_length": AT_LEAST_1, "data.max_response_length": AT_LEAST_1,
     "data.num_val_examples": AT_LEAST_1, "data.num_train_examples": AT_LEAST_1,

@@ -323,15 +323,17 @@ def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
 
 def replay_line(cfg: RootConfig, replays: bool) -> str:
     """What the algorithm replays (the dry run and the start-up block); `replays`: it has an experience pool."""
-    t = cfg.trainer
+    t, x, k = cfg.trainer, cfg.experience, cfg.rollout.n
     if not replays:
         return f"experience replay: off (on-policy {cfg.algo.name})"
-    n_exp = int(t.train_batch_size * t.experience_ratio)
-    start = (f"once batch pass rate > {t.delayed_start_pass_rate}" if t.delayed_start_pass_rate > 0
+    n_exp = int(t.train_batch_size * x.ratio)
+    start = (f"once batch pass rate > {x.delayed_start_pass_rate}" if x.delayed_start_pass_rate > 0
              else "from step 1 (delayed start disabled)")
-    return (f"experience replay: mixed phase {start}: up to {n_exp} replayed + {t.train_batch_size - n_exp} fresh "
-            f"prompts (rho={t.experience_ratio}; replayable iff {t.replayable_correct_above} < correct <= "
-            f"{t.replayable_correct_at_most} of {cfg.rollout.n})")
+    fresh = t.train_batch_size - n_exp if x.placement == "displace" else t.train_batch_size
+    return (f"experience replay ({x.placement}): mixed phase {start}: up to {n_exp} replayed + {fresh} fresh prompts "
+            f"(rho={x.ratio}; enter iff {x.admit_correct_above} < correct <= {x.admit_correct_at_most} of {k}, retire "
+            f"above {x.retire_above(k)}" + (f", trajectories replayed up to {x.max_age_steps} steps old)"
+                                            if x.max_age_steps else ")"))
 
 
 def generation_line(cfg: RootConfig) -> str:

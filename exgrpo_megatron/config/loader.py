@@ -1,6 +1,6 @@
 """Compose a run configuration with Hydra (NeMo-style overrides) and check it against the schema.
 
-    cfg = load_config("exgrpo_7b", ["trainer.experience_ratio=0.25", "++parallel.tensor_model_parallel_size=4"])
+    cfg = load_config("exgrpo_7b", ["experience.ratio=0.25", "++parallel.tensor_model_parallel_size=4"])
 
 Hydra's override grammar applies (`key=value`, `+new=value`, `++key=value`, `~key`). The composed
 YAML is merged into the typed `RootConfig`: an unknown key or a value of the wrong type fails here

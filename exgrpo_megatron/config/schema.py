@@ -121,6 +121,7 @@ class AlgoConfig:
     entropy_coeff: float = 0.001
     loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean
     replay_is_correction: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs (was exp_is_correct)
+    replay_tis_cap: float = 0.0  # > 0: replayed tokens train as fresh ones x min(pi_old / pi_past, cap); 0 = f(w)
     old_logprobs: str = "auto"  # auto | rollout | training_forward | recompute (config/old_logprobs.py)
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20
@@ -133,6 +134,33 @@ class AlgoConfig:
 
 
 @dataclass
+class ExperienceConfig:
+    """The experience pool's settings (conf/experience/; read with algo.name=exgrpo), one object the pool, the step
+    plan and the schedule read."""
+
+    ratio: float = 0.5  # rho: replayed questions per step = floor(rho * B)
+    placement: str = "displace"  # displace: B - n_exp fresh questions + n_exp replayed | append: B fresh + n_exp
+    delayed_start_pass_rate: float = 0.35  # mixed mode once a step's solved fraction exceeds this; <= 0: step 1
+    # a question (k of its K responses correct) enters the pool iff admit_correct_above < k <= admit_correct_at_most;
+    # once in, a group with admit_correct_above < k <= retire_correct_above moves it to bucket k and adds its correct
+    # trajectories; k > retire_correct_above retires it (null: K - 1, only all-correct groups retire)
+    admit_correct_above: int = 0
+    admit_correct_at_most: int = 7
+    retire_correct_above: Optional[int] = None
+    max_age_steps: int = 0  # a trajectory collected at step s is replayed through step s + this at most; 0 = no bound
+    max_trajectories_per_question: int = 0  # 0 = no cap (paper); else keep the newest N
+    bucket_manager: str = "normal"  # question selection: normal | uniform | linear | sqrt
+    bucket_mu: float = 0.5
+    bucket_sigma: float = 1.0
+    metric: str = "ent"  # trajectory selection: ent | ppl | random
+    select_mode: str = "argmin"  # argmin (lowest ent/ppl, paper) | argmax (highest: Tab. 6 ablation)
+
+    def retire_above(self, group_size: int) -> int:
+        """k above which a question retires: retire_correct_above, or K - 1 when unset."""
+        return group_size - 1 if self.retire_correct_above is None else self.retire_correct_above
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 701
     train_batch_size: int = 128  # prompts per step (B)
@@ -141,17 +169,6 @@ class TrainerConfig:
     sequence_packing: bool = True  # pack rows into one [1, tokens] sequence (THD) instead of right-padding
     fused_output_logprobs: bool = True  # output layer fused into the chunked log-prob/entropy (no [T, V] logits)
     train_threads: int = 0  # policy forward/backward threads; 0 = cores // ranks on the node (distributed/threads.py)
-    experience_ratio: float = 0.5  # rho
-    delayed_start_pass_rate: float = 0.35  # delayed start; <= 0 means from step 1 (was experience_start_sratio)
-    # a question is replayable iff replayable_correct_above < k <= replayable_correct_at_most (k correct of K)
-    replayable_correct_above: int = 0  # was experience_lbound
-    replayable_correct_at_most: int = 7  # was experience_rbound
-    exp_metric: str = "ent"  # ent | ppl | random
-    exp_bucket_manager: str = "normal"  # normal | uniform | linear | sqrt
-    exp_bucket_mu: float = 0.5
-    exp_bucket_sigma: float = 1.0
-    exp_max_trajectories_per_question: int = 0  # 0 = no cap (paper)
-    exp_select_mode: str = "argmin"  # argmin (lowest ent/ppl, paper) | argmax (highest: Tab. 6 ablation)
     val_every: int = 10
     val_n: int = 1  # avg@k on the validation set
     sft_warm_start_steps: int = 0  # synthetic task only: supervised warm-start steps before RL (cached)
@@ -214,6 +231,7 @@ class RootConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    experience: ExperienceConfig = field(default_factory=ExperienceConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -232,9 +250,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.vllm.dtype": ("auto", "fp32", "bf16", "fp16"),
     "algo.loss_agg_mode": ("token_sum_constant", "token_mean"),
     "algo.old_logprobs": ("auto", "rollout", "training_forward", "recompute"),
-    "trainer.exp_metric": ("ent", "ppl", "random"),
-    "trainer.exp_bucket_manager": ("normal", "uniform", "linear", "sqrt"),
-    "trainer.exp_select_mode": ("argmin", "argmax"),
+    "experience.placement": ("displace", "append"),
+    "experience.metric": ("ent", "ppl", "random"),
+    "experience.bucket_manager": ("normal", "uniform", "linear", "sqrt"),
+    "experience.select_mode": ("argmin", "argmax"),
     "data.source": ("files", "arithmetic"),
     "data.template": ("own", "chat", "llama_base", "plain", "chat_direct"),
     "data.tokenizer": ("hf", "char"),
@@ -250,8 +269,9 @@ RESUME_REFUSED: dict[str, str] = {
     "algo.name": "switches the experience pool on or off: the saved pool would be dropped, or an empty one started",
     "rollout.max_staleness": "the checkpoint holds the rollouts in flight for the saved staleness",
     "rollout.n": "the group size K: the pool's k-of-K records and buckets were counted for the saved K",
-    "trainer.replayable_correct_above": _POOL_BOUND, "trainer.replayable_correct_at_most": _POOL_BOUND,
-    "trainer.exp_max_trajectories_per_question": "the cap the saved pool was filled under",
+    "experience.admit_correct_above": _POOL_BOUND, "experience.admit_correct_at_most": _POOL_BOUND,
+    "experience.retire_correct_above": _POOL_BOUND,
+    "experience.max_trajectories_per_question": "the cap the saved pool was filled under",
     "trainer.train_batch_size": _BATCH,
     "trainer.ppo_mini_batch_size": _BATCH,
     "seed": "the prompt order and every step's sampling seed derive from it",

@@ -31,7 +31,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     """The relations between keys (each key's own domain and choices are domains.domain_errors'). The
     guards against zero keep this total for out-of-domain values, whose relation errors all_errors drops."""
     e: list[str] = []
-    m, p, r, t, d, rw = cfg.model, cfg.parallel, cfg.rollout, cfg.trainer, cfg.data, cfg.reward
+    m, p, t, d, rw = cfg.model, cfg.parallel, cfg.trainer, cfg.data, cfg.reward
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
 
     if t.sequence_packing and m.layer_spec != "te" and m.core_attention != "sdpa":
@@ -82,10 +82,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
                  f"{t.ppo_mini_batch_size}")
     if dp and t.ppo_mini_batch_size % dp:
         e.append(f"trainer.ppo_mini_batch_size: {t.ppo_mini_batch_size} prompts not divisible by DP size {dp}")
-    if not 0 <= t.replayable_correct_above < t.replayable_correct_at_most < r.n:
-        e.append(f"trainer.replayable_correct_at_most: need 0 <= replayable_correct_above "
-                 f"({t.replayable_correct_above}) < replayable_correct_at_most ({t.replayable_correct_at_most}) "
-                 f"< rollout.n ({r.n})")
+    e.extend(experience_errors(cfg))
     if t.micro_batch_max_tokens < d.max_prompt_length + d.max_response_length:
         e.append(f"trainer.micro_batch_max_tokens: {t.micro_batch_max_tokens} is smaller than one full sequence "
                  f"(data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length})")
@@ -109,6 +106,20 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
                  f"got {rw.timeout_seconds!r}")
     if rw.hard_deadline_seconds <= rw.timeout_seconds:
         e.append("reward.hard_deadline_seconds: must exceed reward.timeout_seconds")
+    return e
+
+
+def experience_errors(cfg: RootConfig) -> list[str]:
+    """The pool's thresholds against K, and the replay term's settings (experience/shard.py, algo/loss.py)."""
+    x, k, e = cfg.experience, cfg.rollout.n, list[str]()
+    retire = x.retire_above(k)
+    if not 0 <= x.admit_correct_above < x.admit_correct_at_most <= retire < k:
+        e.append(f"experience.admit_correct_at_most: need 0 <= admit_correct_above ({x.admit_correct_above}) < "
+                 f"admit_correct_at_most ({x.admit_correct_at_most}) <= retire_correct_above ({retire}) < "
+                 f"rollout.n ({k})")
+    if cfg.algo.replay_tis_cap > 0 and cfg.algo.policy_shaping:
+        e.append(f"algo.replay_tis_cap: {cfg.algo.replay_tis_cap}: replayed tokens corrected by truncated IS take no "
+                 "policy shaping; set algo.policy_shaping=false with it")
     return e
 
 

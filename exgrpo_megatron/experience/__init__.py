@@ -4,14 +4,14 @@ Pure numpy/torch (+ torch.distributed for the sharded pool); imports no megatron
 Typical use by the trainer (every rank, same order):
 
     from megatron.core import parallel_state as ps
-    pool = ShardedExperiencePool(K, correct_above, correct_at_most, max_per_q, "normal", 0.5, 1.0, "ent",
-                                 dp_group=ps.get_data_parallel_group_gloo())   # None in one process
-    schedule = ExperienceSchedule(cfg.trainer.delayed_start_pass_rate)   # warm-up -> collecting -> mixed
+    pool = ShardedExperiencePool(K, cfg.experience, dp_group=ps.get_data_parallel_group_gloo())  # None: one process
+    schedule = ExperienceSchedule(cfg.experience.delayed_start_pass_rate)   # warm-up -> collecting -> mixed
     replays = pool.sample(int(rho * B), rng_seed=seed * 1_000_003 + step, scorer=policy_scorer) \
         if schedule.replays else []                   # identical list on every rank, sorted by qid
     ... fresh prompts skip pool.retired_ids() ...
-    # collection once the schedule collects ([C] §1.2), retirement (k == K) from step 1 (§1.5):
-    pool.update(my_groups if schedule.collects else [g for g in my_groups if g.k_correct == K])
+    # collection once the schedule collects ([C] §1.2; before: k only, no trajectories), retirement from step 1:
+    pool.update(my_groups)
+    pool.expire(step)                                 # the age bound (experience.max_age_steps)
     schedule.end_step(solved_fraction(rewards_of_the_step, dp_group), step)
     logger.log(pool.stats())
 """

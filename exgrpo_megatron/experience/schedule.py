@@ -1,9 +1,9 @@
 """The one owner of the training phase (docs/exgrpo.md, delayed start): warm-up -> collecting -> mixed.
 
   warm-up     fresh prompts only; the fresh tokens keep the PPO clip; the pool collects nothing (questions solved
-              K of K still retire, from step 1);
-  collecting  the step after a step's solved fraction exceeded `trainer.delayed_start_pass_rate` (or step 1 when it is
-              <= 0): the mixed-phase loss (no clip) and the pool collects the step's correct trajectories, but
+              past experience.retire_correct_above still retire, from step 1);
+  collecting  the step after a step's solved fraction exceeded `experience.delayed_start_pass_rate` (or step 1 when
+              it is <= 0): the mixed-phase loss (no clip) and the pool collects the step's correct trajectories, but
               the pool is still empty so nothing is replayed;
   mixed       from the next step on, for good: replayed experience in every batch, collected every step.
 
@@ -40,7 +40,7 @@ class ExperienceSchedule:
 
     @property
     def collects(self) -> bool:
-        """Does the pool store this step's correct trajectories (retirement of k == K happens in every phase)?"""
+        """Does the pool store this step's correct trajectories (retirement happens in every phase)?"""
         return self.phase is not Phase.WARMUP
 
     @property

@@ -1,24 +1,32 @@
 """One shard of the experience pool: stored correct trajectories, correctness buckets, retired set.
 
-Update rule for a group of question q with k correct out of K (docs/exgrpo.md):
+Update rule for a group of question q with k correct out of K (docs/exgrpo.md; the thresholds are
+`ExperienceConfig`'s: above = admit_correct_above, at_most = admit_correct_at_most, retire = retire_correct_above,
+K - 1 when unset):
   * q already retired: ignored (a retired question is never stored or drawn again);
-  * k == K: retire q -- its trajectories are dropped and q joins the retired set;
-  * above < k <= at_most (replayable_correct_above / _at_most, defaults 0 < k <= K-1): q moves to bucket k
-    and its correct trajectories are appended (exact token-id duplicates skipped; with a cap, the oldest are
-    evicted);
-  * otherwise (k <= above, e.g. all-wrong groups, or at_most < k < K): nothing changes. This keeps the
-    original semantics, where an all-zero group leaves q in its stale bucket.
-A question is in a bucket iff it holds >= 1 trajectory (an eligible group with no stored trajectory,
-possible only with above < 0, adds nothing). Every operation is O(group) / O(draw), never O(pool).
+  * k > retire: retire q -- its trajectories are dropped and q joins the retired set (the paper: k == K; the
+    authors' Megatron port: k > K/2);
+  * q not in the pool and above < k <= at_most, or q in the pool and above < k <= retire: q moves to bucket k and
+    its correct trajectories are appended (exact token-id duplicates skipped; with a cap, the oldest are evicted);
+  * otherwise (k <= above, e.g. all-wrong groups, or at_most < k for a question not in the pool): nothing
+    changes. This keeps the original semantics, where an all-zero group leaves q in its stale bucket.
+Age bound (`expire(step)`, max_age_steps = A > 0): after step t's update, trajectories collected at a step s with
+s + A < t + 1 are dropped, so a replayed trajectory is at most A steps old; a question left with none leaves its
+bucket (not retired: it may enter again). The order of removals is by qid, a function of the saved state, so a
+resumed pool evicts exactly as the uninterrupted one.
+A question is in a bucket iff it holds >= 1 trajectory (an eligible group with no stored trajectory adds nothing).
+Every operation is O(group) / O(draw) / O(evicted), never O(pool).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
+from exgrpo_megatron.config.schema import ExperienceConfig
 from exgrpo_megatron.experience.buckets import IndexedBuckets
 from exgrpo_megatron.experience.types import Trajectory
 
@@ -28,12 +36,12 @@ STATE_VERSION = 1
 RETIRE, STORE, IGNORE = "retire", "store", "ignore"
 
 
-def classify_group(k_correct: int, group_size: int, replayable_correct_above: int,
-                   replayable_correct_at_most: int) -> str:
-    """retire (k == K), store (replayable_correct_above < k <= replayable_correct_at_most) or ignore."""
-    if k_correct == group_size:
+def classify_group(k_correct: int, in_pool: bool, admit_above: int, admit_at_most: int, retire_above: int) -> str:
+    """retire (k > retire_above), store (above < k <= at_most entering, above < k <= retire_above in the pool) or
+    ignore."""
+    if k_correct > retire_above:
         return RETIRE
-    if replayable_correct_above < k_correct <= replayable_correct_at_most:
+    if admit_above < k_correct <= (retire_above if in_pool else admit_at_most):
         return STORE
     return IGNORE
 
@@ -41,17 +49,17 @@ def classify_group(k_correct: int, group_size: int, replayable_correct_above: in
 class ExperienceShard:
     """The part of the pool one DP rank owns (or the whole pool in a single process)."""
 
-    def __init__(self, group_size: int, replayable_correct_above: int = 0,
-                 replayable_correct_at_most: int | None = None, max_trajectories_per_question: int = 0) -> None:
+    def __init__(self, group_size: int, settings: ExperienceConfig | None = None) -> None:
         if group_size < 1:
             raise ValueError("group_size must be >= 1")
+        x = settings or ExperienceConfig(admit_correct_at_most=group_size - 1)
         self.group_size = group_size
-        self.replayable_correct_above = replayable_correct_above
-        self.replayable_correct_at_most = group_size - 1 if replayable_correct_at_most is None \
-            else replayable_correct_at_most
-        if max_trajectories_per_question < 0:
-            raise ValueError("max_trajectories_per_question must be >= 0 (0 = no cap)")
-        self.max_trajectories_per_question = max_trajectories_per_question
+        self.admit_above, self.admit_at_most = x.admit_correct_above, x.admit_correct_at_most
+        self.retire_above = x.retire_above(group_size)
+        if x.max_trajectories_per_question < 0 or x.max_age_steps < 0:
+            raise ValueError("max_trajectories_per_question and max_age_steps must be >= 0 (0 = no bound)")
+        self.max_trajectories_per_question = x.max_trajectories_per_question
+        self.max_age_steps = x.max_age_steps
         self._reset()
 
     def _reset(self) -> None:
@@ -60,6 +68,7 @@ class ExperienceShard:
         self._retired: set[int] = set()
         self.num_trajectories = 0
         self.num_tokens = 0
+        self._expiry: list[tuple[int, int]] = []  # min-heap of (collection step, qid) of stored trajectories
 
     # ---------------------------------------------------------------- queries
     @property
@@ -95,7 +104,8 @@ class ExperienceShard:
             raise ValueError(f"question {qid}: k_correct={k_correct} outside 0..{group_size}")
         if qid in self._retired:
             return IGNORE
-        action = classify_group(k_correct, group_size, self.replayable_correct_above, self.replayable_correct_at_most)
+        action = classify_group(k_correct, qid in self._buckets, self.admit_above, self.admit_at_most,
+                                self.retire_above)
         if action == RETIRE:
             self.retire(qid)
         elif action == STORE:
@@ -131,6 +141,39 @@ class ExperienceShard:
         if stored:
             self._trajectories[qid] = stored
             self._buckets.place(qid, k)
+            self._note_expiry(qid, stored)
+
+    def _note_expiry(self, qid: int, stored: list[Trajectory]) -> None:
+        if self.max_age_steps:
+            heapq.heappush(self._expiry, (min(t.step for t in stored), qid))
+
+    def expire(self, step: int) -> int:
+        """After step `step`'s update: drop every trajectory collected before step + 1 - max_age_steps (module
+        docstring); returns how many. No-op without an age bound."""
+        if not self.max_age_steps:
+            return 0
+        cutoff = step + 1 - self.max_age_steps  # keep trajectories collected at >= cutoff
+        due: set[int] = set()
+        while self._expiry and self._expiry[0][0] < cutoff:
+            due.add(heapq.heappop(self._expiry)[1])
+        dropped = 0
+        for qid in sorted(due):
+            stored = self._trajectories.get(qid)
+            if stored is None:  # retired or already emptied since it was noted
+                continue
+            keep = [t for t in stored if t.step >= cutoff]
+            for t in stored:
+                if t.step < cutoff:
+                    dropped += 1
+                    self.num_trajectories -= 1
+                    self.num_tokens -= t.length
+            if keep:
+                self._trajectories[qid] = keep
+                self._note_expiry(qid, keep)
+            else:
+                del self._trajectories[qid]
+                self._buckets.remove(qid)
+        return dropped
 
     # ---------------------------------------------------------------- drawing
     def draw(self, counts: np.ndarray, rng: np.random.Generator) -> list[tuple[int, int]]:
@@ -164,8 +207,9 @@ class ExperienceShard:
         meta = {
             "format": STATE_FORMAT, "version": STATE_VERSION, "group_size": int(self.group_size),
             # saved under the names the shard format has always used (informational: a load does not read them)
-            "lbound": int(self.replayable_correct_above), "rbound": int(self.replayable_correct_at_most),
+            "lbound": int(self.admit_above), "rbound": int(self.admit_at_most), "retire_above": int(self.retire_above),
             "max_trajectories_per_question": int(self.max_trajectories_per_question),
+            "max_age_steps": int(self.max_age_steps),
         }
         return {"arrays": arrays, "meta": meta}
 
@@ -198,5 +242,6 @@ class ExperienceShard:
                     raise ValueError(f"question {qid} appears in two saved shards")
                 self._trajectories[qid] = stored
                 self._buckets.place(qid, int(k))
+                self._note_expiry(qid, stored)
                 self.num_trajectories += len(stored)
                 self.num_tokens += int(lengths[int(traj_offsets[i]):int(traj_offsets[i + 1])].sum())

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from exgrpo_megatron.config.schema import ExperienceConfig
 from exgrpo_megatron.experience.buckets import bucket_probabilities, draw_bucket_counts
 from exgrpo_megatron.experience.routing import all_gather_choices, all_gather_int64, owner_rank, route_groups
 from exgrpo_megatron.experience.selection import SELECT_MODES, SELECTION_METRICS, Scorer, choose_trajectories
@@ -38,25 +39,26 @@ from exgrpo_megatron.experience.types import GroupOutcome, ReplayChoice, Traject
 
 
 class ShardedExperiencePool:
-    """Experience pool over a DP group (dp_group=None: a single process owns everything)."""
+    """Experience pool over a DP group (dp_group=None: a single process owns everything), configured by one
+    `ExperienceConfig` (conf/experience/)."""
 
-    def __init__(self, group_size: int, replayable_correct_above: int = 0,
-                 replayable_correct_at_most: int | None = None, max_trajectories_per_question: int = 0,
-                 bucket_mode: str = "normal", bucket_mu: float = 0.5, bucket_sigma: float = 1.0, metric: str = "ent",
-                 dp_group: dist.ProcessGroup | None = None, select_mode: str = "argmin") -> None:
-        if metric not in SELECTION_METRICS:
-            raise ValueError(f"unknown selection metric {metric!r}; expected one of {SELECTION_METRICS}")
-        if select_mode not in SELECT_MODES:
-            raise ValueError(f"unknown selection mode {select_mode!r}; expected one of {SELECT_MODES}")
-        bucket_probabilities(np.ones(group_size + 1), group_size, bucket_mode, bucket_mu, bucket_sigma)  # validate
+    def __init__(self, group_size: int, settings: ExperienceConfig | None = None,
+                 dp_group: dist.ProcessGroup | None = None) -> None:
+        """`settings`: the experience config group (None: its defaults with admission up to K - 1)."""
+        x = settings or ExperienceConfig(admit_correct_at_most=group_size - 1)
+        if x.metric not in SELECTION_METRICS:
+            raise ValueError(f"unknown selection metric {x.metric!r}; expected one of {SELECTION_METRICS}")
+        if x.select_mode not in SELECT_MODES:
+            raise ValueError(f"unknown selection mode {x.select_mode!r}; expected one of {SELECT_MODES}")
+        bucket_probabilities(np.ones(group_size + 1), group_size, x.bucket_manager, x.bucket_mu, x.bucket_sigma)
+        self.settings = x
         self.group_size = group_size
-        self.bucket_mode, self.bucket_mu, self.bucket_sigma = bucket_mode, bucket_mu, bucket_sigma
-        self.metric, self.select_mode = metric, select_mode
+        self.bucket_mode, self.bucket_mu, self.bucket_sigma = x.bucket_manager, x.bucket_mu, x.bucket_sigma
+        self.metric, self.select_mode = x.metric, x.select_mode
         self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.shard = ExperienceShard(group_size, replayable_correct_above, replayable_correct_at_most,
-                                     max_trajectories_per_question)
+        self.shard = ExperienceShard(group_size, x)
         self._retired_view: frozenset[int] | None = None
 
     def owns(self, qid: int) -> bool:
@@ -78,6 +80,11 @@ class ShardedExperiencePool:
         if newly_retired:
             self._retired_view = None
         return newly_retired
+
+    def expire(self, step: int) -> int:
+        """The age bound after step `step`'s update (`ExperienceShard.expire`): each rank drops its own expired
+        trajectories; returns how many this rank dropped. Not a collective."""
+        return self.shard.expire(step)
 
     # ---------------------------------------------------------------- sample
     def sample(self, n_total: int, rng_seed: int, scorer: Scorer | None = None) -> list[ReplayChoice]:

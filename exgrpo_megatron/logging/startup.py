@@ -28,6 +28,6 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
                  f"DP={layout.dp_size} (world {layout.world_size}, {layout.device.type})")
     val = f"validation avg@{t.val_n} every {t.val_every} steps" if t.val_every else "no validation"
     lines.append(f"{t.total_steps} steps of {t.train_batch_size} prompts x {cfg.rollout.n} rollouts; {val}")
-    replays = build_algorithm(cfg.algo, t, cfg.data.max_response_length).experience is not None
+    replays = build_algorithm(cfg.algo, t, cfg.data.max_response_length).uses_pool
     lines += [f"algorithm {cfg.algo.name}; {replay_line(cfg, replays)}", generation_line(cfg)]
     return "\n".join(PREFIX + line for line in lines)

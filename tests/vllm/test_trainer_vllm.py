@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = [
     "model.num_layers=2", "model.num_attention_heads=2", "model.num_query_groups=2", "model.ffn_hidden_size=256",
-    "model.params_dtype=fp32", "rollout.engine=vllm", "rollout.n=4", "trainer.replayable_correct_at_most=3",
+    "model.params_dtype=fp32", "rollout.engine=vllm", "rollout.n=4", "experience.admit_correct_at_most=3",
     "trainer.train_batch_size=4", "trainer.ppo_mini_batch_size=2", "trainer.sft_warm_start_steps=0",
     "trainer.val_every=0", "trainer.micro_batch_max_tokens=512", "data.max_response_length=16",
     "data.num_train_examples=64", "data.num_val_examples=4", "checkpoint.save_every=3", "optim.lr=1e-3",

@@ -3,9 +3,9 @@ train through policy shaping.
 
 It owns what the paper defines and ablates: the denominator of the replay ratio (importance-sampling
 correction, `algo.replay_is_correction`), the loss of each phase (warm-up: PPO clip on fresh tokens; collecting /
-mixed: unclipped, replayed tokens shaped by f(w); `algo/loss.py`) and the pool's knobs (`ExperienceKnobs`:
-rho, the delayed start, question selection mu / sigma / bucket weights, the trajectory selection rule) and what
-the pool learns from a group (`pool_outcome`).
+mixed: unclipped, replayed tokens shaped by f(w) or, with `algo.replay_tis_cap`, trained as fresh tokens weighted by
+truncated IS; `algo/loss.py`) and what the pool learns from a group (`pool_outcome`). The pool's own settings (rho,
+placement, delayed start, admission / retirement / age bounds, selection) are the `experience` config group's.
 """
 
 from __future__ import annotations
@@ -17,36 +17,31 @@ from torch import Tensor
 
 from exgrpo_megatron.algo.group_relative import GroupRelative
 from exgrpo_megatron.algo.loss import exgrpo_loss, select_replay_denominator_logprobs
-from exgrpo_megatron.algo.protocol import ExperienceKnobs, GradedResponse
+from exgrpo_megatron.algo.protocol import GradedResponse
 from exgrpo_megatron.algo.registry import register
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
 from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.experience.types import GroupOutcome
 
 
-def experience_knobs(t: TrainerConfig) -> ExperienceKnobs:
-    return ExperienceKnobs(
-        ratio=t.experience_ratio, delayed_start_pass_rate=t.delayed_start_pass_rate,
-        replayable_correct_above=t.replayable_correct_above, replayable_correct_at_most=t.replayable_correct_at_most,
-        max_trajectories_per_question=t.exp_max_trajectories_per_question,
-        bucket_manager=t.exp_bucket_manager, bucket_mu=t.exp_bucket_mu, bucket_sigma=t.exp_bucket_sigma,
-        metric=t.exp_metric, select_mode=t.exp_select_mode)
-
-
 @register("exgrpo")
 @dataclass(frozen=True)
 class ExGRPO(GroupRelative):
-    experience: ExperienceKnobs
     shaping_beta: float
     policy_shaping: bool
     mixed_phase_clip: bool
     replay_is_correction: bool
+    replay_tis_cap: float  # > 0: replayed tokens as fresh ones x min(pi_old / pi_past, cap), no shaping
 
     @classmethod
     def from_config(cls, name: str, algo: AlgoConfig, trainer: TrainerConfig, max_response_length: int) -> ExGRPO:
-        return cls(**cls.shared_settings(name, algo, max_response_length), experience=experience_knobs(trainer),
-                   shaping_beta=algo.shaping_beta, policy_shaping=algo.policy_shaping,
-                   mixed_phase_clip=algo.mixed_phase_clip, replay_is_correction=algo.replay_is_correction)
+        return cls(**cls.shared_settings(name, algo, max_response_length), shaping_beta=algo.shaping_beta,
+                   policy_shaping=algo.policy_shaping, mixed_phase_clip=algo.mixed_phase_clip,
+                   replay_is_correction=algo.replay_is_correction, replay_tis_cap=algo.replay_tis_cap)
+
+    @property
+    def uses_pool(self) -> bool:
+        return True
 
     def clips(self, phase: Phase) -> bool:
         """PPO clip on fresh tokens: in warm-up only (paper §D.1: the mixed phase is unclipped), unless
@@ -67,17 +62,15 @@ class ExGRPO(GroupRelative):
         return exgrpo_loss(
             logprobs, old_logprobs, denominator, advantages, response_mask, replay, entropy,
             mixed_phase=not self.clips(phase), clip_ratio=self.clip_ratio, shaping_beta=self.shaping_beta,
-            policy_shaping=self.policy_shaping, entropy_coeff=self.entropy_coeff,
+            policy_shaping=self.policy_shaping, replay_tis_cap=self.replay_tis_cap, entropy_coeff=self.entropy_coeff,
             pg_normaliser=normalisers[0], entropy_normaliser=normalisers[1],
             fresh_is_weights=self.fresh_is_weights(old_logprobs, behaviour_logprobs, replay))
 
     def pool_outcome(self, qid: int, responses: Sequence[GradedResponse], step: int,
                      collect: bool) -> GroupOutcome | None:
-        """k correct of K; the correct trajectories only once the schedule collects (the original collects
-        nothing during warm-up), retirement (k == K) always."""
+        """k correct of K, with the correct trajectories only once the schedule collects (the original collects
+        nothing during warm-up); the pool retires (experience.retire_correct_above) in every phase."""
         k = int(sum(r.reward == 1.0 for r in responses))
-        if not collect and k != len(responses):
-            return None
         correct = [r for r in responses if r.reward == 1.0] if collect else []
         return GroupOutcome(qid=qid, k_correct=k, group_size=len(responses), step=step,
                             correct_token_ids=[r.token_ids for r in correct],

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from exgrpo_megatron.algo.group_relative import GroupRelative
 from exgrpo_megatron.algo.loss import exgrpo_loss
-from exgrpo_megatron.algo.protocol import ExperienceKnobs, GradedResponse
+from exgrpo_megatron.algo.protocol import GradedResponse
 from exgrpo_megatron.algo.registry import register
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
 from exgrpo_megatron.experience.schedule import Phase
@@ -25,8 +25,8 @@ class GRPO(GroupRelative):
         return cls(**cls.shared_settings(name, algo, max_response_length))
 
     @property
-    def experience(self) -> ExperienceKnobs | None:
-        return None
+    def uses_pool(self) -> bool:
+        return False
 
     def clips(self, phase: Phase) -> bool:
         return True
