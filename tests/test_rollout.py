@@ -146,6 +146,11 @@ def single_rank_checks() -> dict:
     pad_free = MegatronRolloutEngine(model, vocab_size=VOCAB, pad_free_batches=True).generate(
         prompts, 2, base, request_seeds=[70, 71, 72])
     out["mixed"], out["alone"] = _as_lists(mixed), _as_lists(alone)
+    # Per-prompt sample counts (a step's fresh groups K, replayed groups K-1) in one call == one call per count.
+    counts = [3, 2, 3]
+    out["counts_one_call"] = _as_lists(engine.generate(prompts, counts, base, request_seeds=[70, 71, 72]))
+    out["counts_per_count"] = [_as_lists(engine.generate([prompts[i]], c, base, request_seeds=[70 + i]))[0]
+                               for i, c in enumerate(counts)]
     out["tiny_batches"], out["pad_free"] = _as_lists(tiny_batches), _as_lists(pad_free)
 
     # Stops: derive EOS / stop ids / stop strings from an unconstrained run with the same seeds.
@@ -227,6 +232,13 @@ def test_padded_batch_equals_single_prompt_and_chunking(single):
     _assert_same(single["mixed"], single["alone"])
     _assert_same(single["mixed"], single["tiny_batches"])
     _assert_same(single["mixed"], single["pad_free"])
+
+
+def test_per_prompt_sample_counts_in_one_call_equal_separate_calls(single):
+    one_call = single["counts_one_call"]
+    assert [len(g) for g in one_call] == [3, 2, 3]
+    _assert_same(one_call, single["counts_per_count"])
+    _assert_same([g[:2] for g in one_call], single["mixed"])  # sample j's seed does not depend on the counts
 
 
 def test_eos_stop_token_stop_string_and_length(single):
@@ -341,7 +353,10 @@ def test_generate_requests_are_checked_the_same_way_for_every_engine():
 
     assert request_seeds_for([[1], [2, 3]], 2, None) == [0, 1]
     assert request_seeds_for([[1], [2, 3]], 1, [7, 9]) == [7, 9]
+    assert request_seeds_for([[1], [2, 3]], [3, 2], None) == [0, 1]
     for prompts, n, seeds, message in (([[1]], 0, None, "n must be"), ([[1], []], 1, None, "empty prompt"),
-                                       ([[1], [2]], 1, [5], "1 request seeds for 2 prompts")):
+                                       ([[1], [2]], 1, [5], "1 request seeds for 2 prompts"),
+                                       ([[1], [2]], [2, 0], None, "n must be"),
+                                       ([[1], [2]], [2], None, "1 sample counts for 2 prompts")):
         with pytest.raises(ValueError, match=message):
             request_seeds_for(prompts, n, seeds)
