@@ -332,6 +332,42 @@ def test_sample_tokens_matches_filtered_distribution():
         assert torch.allclose(logp.double(), torch.log(p[tokens]), atol=1e-6)
 
 
+def _sample_tokens_fp64_copy(logits, uniforms, temperature, top_p=1.0, top_k=-1):
+    """The sampler as first written: logits / T, an fp64 copy of the probabilities, then their cumsum."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    probs = logp_all.exp()
+    target = uniforms.double()[:, None]
+    if top_k > 0 or top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+        if top_k > 0:
+            keep[:, top_k:] = False
+        keep &= torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        cdf = torch.cumsum(torch.where(keep, sorted_probs, 0.0).double(), dim=-1)
+        pick = torch.searchsorted(cdf, target * cdf[:, -1:], right=True).clamp_(max=cdf.size(-1) - 1)
+        tokens = order.gather(-1, pick).squeeze(-1)
+    else:
+        cdf = torch.cumsum(probs.double(), dim=-1)
+        tokens = torch.searchsorted(cdf, target * cdf[:, -1:], right=True).clamp_(max=cdf.size(-1) - 1).squeeze(-1)
+    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def test_sample_tokens_draws_exactly_what_the_fp64_copy_did():
+    """The sampler's shortcuts (no division at T = 1, the fp64 cast inside cumsum) draw the same tokens with the same
+    log-probs, bit for bit, at the decode's shape (a SmolLM2-sized vocabulary: the CDF sums 49152 probabilities)."""
+    gen = torch.Generator().manual_seed(0)
+    for temperature, top_p, top_k in [(1.0, 1.0, -1), (0.7, 1.0, -1), (1.0, 0.9, 50), (0.6, 0.95, -1)]:
+        logits = torch.randn(64, 49152, generator=gen) * 4
+        uniforms = torch.rand(64, dtype=torch.float64, generator=gen)
+        if top_p == 1.0 and top_k <= 0:  # half the rows drawn ON a CDF boundary: one ulp of any sum moves the token
+            cdf = torch.cumsum(torch.log_softmax(logits / temperature, -1).exp().double(), -1)[:32]
+            at = torch.randint(0, 49152, (32, 1), generator=gen)
+            uniforms[:32] = (cdf.gather(-1, at) / cdf[:, -1:]).squeeze(-1)
+        got = sample_tokens(logits, uniforms, temperature, top_p, top_k)
+        want = _sample_tokens_fp64_copy(logits, uniforms, temperature, top_p, top_k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (temperature, top_p, top_k)
+
+
 def test_splice_replay_layout():
     fresh = [Sample([1, 2], [3, 4], [-0.1, -0.2], "eos"), Sample([1, 2], [5], [-0.3], "length")]
     spliced = splice_replay(fresh, [1, 2], [7, 8, 9], [-1.0, -2.0, -3.0])
