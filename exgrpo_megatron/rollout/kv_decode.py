@@ -24,9 +24,11 @@ megatron's). Query positions of left padding attend only to themselves, which ke
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+import torch.autograd.profiler
 
 
 def unsupported_reason(model) -> str | None:
@@ -56,6 +58,14 @@ def unsupported_reason(model) -> str | None:
     checks["cross attention"] = any(not isinstance(getattr(layer, "cross_attention", None), IdentityOp)
                                     for layer in layers)
     return next((why for why, bad in checks.items() if bad), None)
+
+
+def profile_range(name: str) -> contextlib.AbstractContextManager:
+    """A `torch.profiler` range called `name` while a profiler records (bench/decode_profile.py buckets the decode
+    time by these ranges), else nothing: an unused range still costs microseconds per call."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +123,8 @@ class KVCacheStage:
             out[:, :, :self.filled] = cache[index, :, :self.filled]
             return out
 
-        self.cache = [(take(k), take(v)) for k, v in self.cache]
+        with profile_range("select_rows"):
+            self.cache = [(take(k), take(v)) for k, v in self.cache]
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor | None, start: int, valid: torch.Tensor):
         model = self.model
@@ -139,12 +150,15 @@ class KVCacheStage:
     def _layer(self, i: int, layer, hidden, start: int, cos, sin, mask) -> torch.Tensor:
         attn = layer.self_attention
         q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(hidden))  # [s, b, heads|groups, d]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = self._cache(i, k)
-        end = start + k.shape[0]
-        k_cache[:, :, start:end] = k.permute(1, 2, 0, 3)
-        v_cache[:, :, start:end] = v.permute(1, 2, 0, 3)
-        context = self._attention(q, k_cache[:, :, :end], v_cache[:, :, :end], mask)
+        with profile_range("rope"):
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        with profile_range("cache_write"):
+            k_cache, v_cache = self._cache(i, k)
+            end = start + k.shape[0]
+            k_cache[:, :, start:end] = k.permute(1, 2, 0, 3)
+            v_cache[:, :, start:end] = v.permute(1, 2, 0, 3)
+        with profile_range("attention"):
+            context = self._attention(q, k_cache[:, :, :end], v_cache[:, :, :end], mask)
         out, bias = attn.linear_proj(context)
         hidden = hidden + (out if bias is None else out + bias)
         out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))

@@ -49,7 +49,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.rollout.kv_decode import KVCacheStage, attention_mask, unsupported_reason
+from exgrpo_megatron.rollout.kv_decode import KVCacheStage, attention_mask, profile_range, unsupported_reason
 from exgrpo_megatron.rollout.sampling import (
     find_stop_string,
     mask_padded_vocab,
@@ -242,11 +242,12 @@ class MegatronRolloutEngine:
             valid[k, prompt_len - len(p): prompt_len] = True
 
         stage = self._stage(batch, total_len)
-        logits = self._forward(stage, tokens, valid, start=0)  # prefill: each distinct prompt once
-        if batch > len(unique):  # ... its KV rows copied to its sample rows
-            stage.select_rows(expand)
-            valid = valid[expand]
-            logits = logits[expand] if logits is not None else None
+        with profile_range("prefill"):
+            logits = self._forward(stage, tokens, valid, start=0)  # prefill: each distinct prompt once
+            if batch > len(unique):  # ... its KV rows copied to its sample rows
+                stage.select_rows(expand)
+                valid = valid[expand]
+                logits = logits[expand] if logits is not None else None
 
         seeds = [r[2] for r in chunk]
         active = list(range(batch))
@@ -328,7 +329,8 @@ class MegatronRolloutEngine:
 
         shared = torch.zeros(batch, 2, dtype=torch.float64, device=device)  # tokens < 2**53 are exact
         if logits is not None:
-            tok, logp = sample_tokens(logits, uniforms, params.temperature, params.top_p, params.top_k)
+            with profile_range("sampling"):
+                tok, logp = sample_tokens(logits, uniforms, params.temperature, params.top_p, params.top_k)
             shared[:, 0], shared[:, 1] = tok.double(), logp.double()
             if ps.get_tensor_model_parallel_world_size() > 1:
                 dist.broadcast(shared, src=ps.get_tensor_model_parallel_src_rank(),
