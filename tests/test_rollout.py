@@ -368,6 +368,26 @@ def test_sample_tokens_draws_exactly_what_the_fp64_copy_did():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (temperature, top_p, top_k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_rope_is_megatrons_formula_bit_for_bit(dtype):
+    """The KV-cache stage's RoPE (roll and a signed sin) equals megatron's x cos + rotate_half(x) sin exactly, on a
+    non-contiguous query view as the stage gets it, with full and partial rotary dims."""
+    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+    from exgrpo_megatron.rollout.kv_decode import apply_rope, signed_sin
+
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 3, 12, 64, generator=gen).to(dtype)
+    for rot in (64, 32):
+        freqs = torch.randn(5, 1, 1, rot, generator=gen)
+        cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+        for x in (qkv[:, :, :8], qkv[:1, :, 8:]):  # [s, b, heads, d] views of a fused projection
+            head = x[..., :rot]
+            want = torch.cat((head * cos[: x.shape[0]] + _rotate_half(head, False) * sin[: x.shape[0]],
+                              x[..., rot:]), dim=-1)
+            assert torch.equal(apply_rope(x, cos[: x.shape[0]], signed_sin(sin)[: x.shape[0]]), want), (rot, x.shape)
+
+
 def test_splice_replay_layout():
     fresh = [Sample([1, 2], [3, 4], [-0.1, -0.2], "eos"), Sample([1, 2], [5], [-0.3], "length")]
     spliced = splice_replay(fresh, [1, 2], [7, 8, 9], [-1.0, -2.0, -3.0])

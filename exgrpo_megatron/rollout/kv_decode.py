@@ -68,19 +68,23 @@ def profile_range(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dim (megatron's non-interleaved RoPE)."""
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[-sin, sin] halves of `sin` [..., d_rot]: rotate_half(x) * sin == roll(x, d_rot/2) * signed_sin(sin), exactly
+    (rotate_half(x) = [-x2, x1] and roll(x) = [x2, x1]; (-a) * b == a * (-b) in floating point)."""
+    sign = torch.ones(sin.shape[-1], dtype=sin.dtype, device=sin.device)
+    sign[: sin.shape[-1] // 2] = -1
+    return sin * sign
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [s, b, heads, d] rotated by per-position cos/sin [s, 1, 1, d_rot]; dims >= d_rot pass."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [s, b, heads, d] rotated by per-position cos / `signed_sin(sin)` [s, 1, 1, d_rot]; dims >= d_rot pass.
+    Megatron's x cos + rotate_half(x) sin, bit for bit, in three kernels (mul, roll, mul) and an add instead of
+    rotate_half's chunk + neg + cat."""
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + torch.roll(x, rot // 2, -1) * sin_signed
     head, tail = x[..., :rot], x[..., rot:]
-    return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
+    return torch.cat((head * cos + torch.roll(head, rot // 2, -1) * sin_signed, tail), dim=-1)
 
 
 def attention_mask(valid: torch.Tensor, start: int, seq: int) -> torch.Tensor:
@@ -110,7 +114,7 @@ class KVCacheStage:
         self.scale = cfg.softmax_scale if cfg.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         freqs = model.rotary_pos_emb(max_len)  # [max_len, 1, 1, d_rot], the model's own freqs
         dtype = cfg.params_dtype
-        self.cos, self.sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+        self.cos, self.sin = torch.cos(freqs).to(dtype), signed_sin(torch.sin(freqs).to(dtype))
         self.max_len = max_len
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.filled = 0  # positions [0, filled) of every cache row are written
