@@ -15,8 +15,16 @@ vLLM (where importable: `make venv-vllm`) is built once through the production f
 weights by refit, and generates with the same prompts, n, temperature and lengths (its prefix cache is
 reset before each run). Its start-up (build + first refit) is reported separately.
 
-Run: ``OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/rollout_throughput.py`` (writes
-bench/results/rollout_throughput.json; with .venv/bin/python the vLLM column is absent).
+Presets: `tiny`, `small` (the default) and `smollm2` (SmolLM2-135M's shape, random weights, one scenario: a
+training step's 8 prompts x 4 samples, 64 new tokens). Each row also gets the fp32 decode roofline at its batch
+(bench/machine_peaks.py: the slower of reading every matmul weight once per step at the copy bandwidth and the
+step's FLOPs at the fp32 GEMM peak, both measured before and after the runs, the best of the two kept) and each
+engine's share of it.
+
+Run: ``OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/rollout_throughput.py [--preset smollm2]`` (writes
+bench/results/rollout_throughput.json, or rollout_throughput_<preset>.json; with .venv/bin/python the vLLM column is
+absent). With ``VLLM_CPU_OMP_THREADS_BIND=nobind`` vLLM is not pinned to cores and runs one thread like the other
+engines.
 """
 
 from __future__ import annotations
@@ -62,6 +70,24 @@ def decode_costs(cfg, dtype: str) -> dict:
     weights = layers * (qkv + cfg.num_attention_heads * head_dim * h + 3 * h * f) + h * cfg.vocab_size
     return {"matmul_weights": weights, "weight_bytes": weights * (4 if dtype == "fp32" else 2),
             "flops_per_token": 2 * weights}
+
+
+def best_peaks(*measured: dict) -> dict:
+    """Per quantity the best of the peak measurements taken around the runs: load only ever lowers a measured peak,
+    so the best is the closest to what the machine can do."""
+    keys = ("fp32_peak_gflops", "bf16_peak_gflops", "mem_bandwidth_gbs")
+    return {k: max(m[k] for m in measured) for k in keys}
+
+
+def add_rooflines(rows: list[dict], costs: dict, peaks: dict) -> None:
+    """Each row's fp32 decode roofline (machine_peaks.decode_roofline_tokens_per_s at its batch) and each engine's
+    share of it."""
+    for row in rows:
+        roof = decode_roofline_tokens_per_s(costs["weight_bytes"], costs["flops_per_token"], row["batch"], peaks,
+                                            "fp32")
+        row.update(roof)
+        for key in [k for k in row if k.endswith("_tokens_per_second")]:
+            row[key.replace("_tokens_per_second", "_share_of_roofline")] = row[key] / roof["roofline_tokens_per_s"]
 
 
 def build_models(preset: str):
@@ -194,16 +220,14 @@ def main() -> None:
             seconds, tokens = min(engine_runs)
             best[engine] = {"seconds": seconds, "new_tokens": tokens, "tokens_per_second": tokens / seconds}
         speedup = best["megatron"]["tokens_per_second"] / best["hf"]["tokens_per_second"]
-        roof = decode_roofline_tokens_per_s(costs["weight_bytes"], costs["flops_per_token"], num_prompts * n, peaks,
-                                            "fp32")
-        row = {"scenario": name, **{f"{k}_{m}": v[m] for k, v in best.items() for m in v}, "speedup": speedup,
-               **roof, **{f"{k}_share_of_roofline": v["tokens_per_second"] / roof["roofline_tokens_per_s"]
-                          for k, v in best.items()}}
+        row = {"scenario": name, "batch": num_prompts * n,
+               **{f"{k}_{m}": v[m] for k, v in best.items() for m in v}, "speedup": speedup}
         if "vllm" in best:
             row["vllm_vs_megatron"] = best["vllm"]["tokens_per_second"] / best["megatron"]["tokens_per_second"]
         rows.append(row)
     load_after = os.getloadavg()
     peaks_after = measure_peaks(args.threads)
+    add_rooflines(rows, costs, best_peaks(peaks, peaks_after))
     print(f"preset={args.preset} threads={args.threads} max|logit diff megatron-HF|={diff:.2e}")
     print(f"load average before {load_before}, after {load_after} ({os.cpu_count()} cores)")
     print(f"{'scenario':32s} {'megatron tok/s':>15s} {'HF tok/s':>10s} {'speedup':>8s} {'megatron_ref tok/s':>19s}"
@@ -225,7 +249,8 @@ def main() -> None:
                    "repeats": args.repeats, "max_logit_diff": diff, "cpu_count": os.cpu_count(),
                    "load_average_before": load_before, "load_average_after": load_after,
                    "loaded": max(load_before[0], load_after[0]) > (os.cpu_count() or 1), "note": args.note,
-                   "machine_peaks": peaks, "machine_peaks_after": peaks_after, "decode_costs_fp32": costs,
+                   "machine_peaks": peaks, "machine_peaks_after": peaks_after,
+                   "roofline_peaks": best_peaks(peaks, peaks_after), "decode_costs_fp32": costs,
                    "vllm": None if vllm is None else {"version": _vllm_version(), "startup_seconds": vllm_startup,
                                                       "settings": "fp32, enforce_eager, CPU build (vllm-cpu)"},
                    "rows": rows}, f, indent=2)
