@@ -388,6 +388,30 @@ def test_kv_cache_rope_is_megatrons_formula_bit_for_bit(dtype):
             assert torch.equal(apply_rope(x, cos[: x.shape[0]], signed_sin(sin)[: x.shape[0]]), want), (rot, x.shape)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_cache_attention_equals_the_float64_formula(dtype, tol):
+    """Decode attention over the cache (fp32: explicit matmuls; bf16: torch's fused kernel) against float64
+    softmax(scale q k^T + mask) v with megatron's GQA grouping g(h) = h // (heads / groups), for one decode query
+    and a prefill block with a causal | padding mask."""
+    from exgrpo_megatron.rollout.kv_decode import attention_mask, cache_attention
+
+    gen = torch.Generator().manual_seed(0)
+    b, heads, groups, d, total = 3, 6, 2, 16, 9
+    keys, values = (torch.randn(b, groups, total, d, generator=gen) for _ in range(2))
+    valid = torch.ones(b, total, dtype=torch.bool)
+    valid[1, :3] = False  # left padding
+    for start, s in ((total - 1, 1), (0, total)):
+        q = torch.randn(s, b, heads, d, generator=gen)
+        mask = attention_mask(valid, start, s)
+        k, v = keys[:, :, : start + s], values[:, :, : start + s]
+        group_of = torch.arange(heads) // (heads // groups)
+        scores = torch.einsum("sbhd,bhtd->bhst", q.double(), k.double()[:, group_of]) * 0.25
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        want = torch.einsum("bhst,bhtd->sbhd", probs, v.double()[:, group_of]).reshape(s, b, heads * d)
+        got = cache_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.25)
+        assert got.dtype == dtype and (got.double() - want).abs().max() <= tol, (dtype, start)
+
+
 def test_splice_replay_layout():
     fresh = [Sample([1, 2], [3, 4], [-0.1, -0.2], "eos"), Sample([1, 2], [5], [-0.3], "length")]
     spliced = splice_replay(fresh, [1, 2], [7, 8, 9], [-1.0, -2.0, -3.0])

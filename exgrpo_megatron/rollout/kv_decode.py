@@ -13,10 +13,11 @@ TP collectives inside them) and replaces only the attention core, per layer l an
     o[b, h, t]   = softmax_s(scale * <RoPE(q_t, t)[b, h], K_l[b, g(h), s]> + mask[b, t, s]) V_l[b, g(h), s]
 
 with g(h) = h // (heads / groups) (megatron's GQA grouping), scale = config.softmax_scale or
-1/sqrt(head_dim), the softmax in fp32, and the query heads of a group batched against that group's
-keys (no copy). mask[b, t, s] is 0 or -inf. RoPE is megatron's formula (x cos + rotate_half(x) sin,
-cos/sin of the model's own RotaryEmbedding freqs), so the stage computes the same function as
-`GPTModel.forward` up to fp rounding.
+1/sqrt(head_dim), the softmax in fp32, and the query heads of a group attending to that group's
+keys without copies (`cache_attention`: torch's fused kernel in bf16, explicit matmuls in fp32).
+mask[b, t, s] is 0 or -inf. RoPE is megatron's formula (x cos + rotate_half(x) sin, cos/sin of the
+model's own RotaryEmbedding freqs), so the stage computes the same function as `GPTModel.forward`
+up to fp rounding.
 
 `attention_mask` returns True where a key may be attended (torch SDPA's convention, the opposite of
 megatron's). Query positions of left padding attend only to themselves, which keeps them finite.
@@ -175,13 +176,42 @@ class KVCacheStage:
         return self.cache[i]
 
     def _attention(self, q, keys, values, mask) -> torch.Tensor:
-        """q [s, b, H, d], keys/values [b, G, T, d], mask [b, 1, s, T] -> context [s, b, H*d]."""
-        s, b, heads, d = q.shape
-        groups = keys.shape[1]
-        per_group = heads // groups
-        qg = q.permute(1, 2, 0, 3).reshape(b, groups, per_group * s, d)  # rows (head in group, position)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).view(b, groups, per_group, s, -1)
-        scores = scores.float().mul_(self.scale).masked_fill_(~mask[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b, groups, per_group * s, -1)
-        context = torch.matmul(probs, values).view(b, heads, s, d)  # heads ordered (group, head in group)
-        return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+        return cache_attention(q, keys, values, mask, self.scale)
+
+
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q [s, b, H, d], keys/values [b, G, T, d], mask [b, 1, s, T] (True = may attend) -> context [s, b, H*d].
+
+    fp32: explicit matmuls with the query heads of a group batched against its keys, the softmax in fp32.
+    bf16/fp16: torch's fused `scaled_dot_product_attention` (GQA without copies, fp32 accumulation and softmax
+    inside), 25-30% faster than the explicit path at the decode's shapes (32 rows, 9 heads / 3 groups, 100-300
+    cached positions, CPU time) and closer to the exact value (no bf16 rounding of the scores and probabilities);
+    in fp32 the fused kernel is slower, and the explicit path keeps the fp32 engine's samples as they were."""
+    if q.dtype in (torch.bfloat16, torch.float16):
+        return fused_cache_attention(q, keys, values, mask, scale)
+    return explicit_cache_attention(q, keys, values, mask, scale)
+
+
+def fused_cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """`cache_attention` through torch's `scaled_dot_product_attention` (GQA by enable_gqa: query head h reads
+    group h // (H / G), megatron's grouping)."""
+    s, b, heads, d = q.shape
+    out = torch.nn.functional.scaled_dot_product_attention(q.permute(1, 2, 0, 3), keys, values, attn_mask=mask,
+                                                           scale=scale, enable_gqa=heads != keys.shape[1])
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+def explicit_cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """`cache_attention` as matmul, fp32 masked softmax, matmul; a group's query heads batched against its keys."""
+    s, b, heads, d = q.shape
+    groups = keys.shape[1]
+    per_group = heads // groups
+    qg = q.permute(1, 2, 0, 3).reshape(b, groups, per_group * s, d)  # rows (head in group, position)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).view(b, groups, per_group, s, -1)
+    scores = scores.float().mul_(scale).masked_fill_(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b, groups, per_group * s, -1)
+    context = torch.matmul(probs, values).view(b, heads, s, d)  # heads ordered (group, head in group)
+    return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)
