@@ -44,7 +44,8 @@ def generate_groups(engine: RolloutEngine, groups: list[QuestionGroup], k: int, 
             on_chunk(positions, [out[i] for i in positions])
 
     counts = [k if g.replay is None else k - 1 for g in groups]
-    engine.generate([g.prompt_ids for g in groups], counts, params, request_seeds=[g.qid for g in groups],
+    n: int | list[int] = counts[0] if len(set(counts)) == 1 else counts  # one count where every group has it
+    engine.generate([g.prompt_ids for g in groups], n, params, request_seeds=[g.qid for g in groups],
                     on_prompts_done=finished)
     if missing := [i for i, samples in enumerate(out) if not samples]:
         raise RuntimeError(f"{type(engine).__name__}.generate did not report groups {missing} as done")
