@@ -15,8 +15,16 @@ vLLM (where importable: `make venv-vllm`) is built once through the production f
 weights by refit, and generates with the same prompts, n, temperature and lengths (its prefix cache is
 reset before each run). Its start-up (build + first refit) is reported separately.
 
-Run: ``OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/rollout_throughput.py`` (writes
-bench/results/rollout_throughput.json; with .venv/bin/python the vLLM column is absent).
+Presets: `tiny`, `small` (the default) and `smollm2` (SmolLM2-135M's shape, random weights, one scenario: a
+training step's 8 prompts x 4 samples, 64 new tokens). Each row also gets the fp32 decode roofline at its batch
+(bench/machine_peaks.py: the slower of reading every matmul weight once per step at the copy bandwidth and the
+step's FLOPs at the fp32 GEMM peak, both measured before and after the runs, the best of the two kept) and each
+engine's share of it.
+
+Run: ``OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/rollout_throughput.py [--preset smollm2]`` (writes
+bench/results/rollout_throughput.json, or rollout_throughput_<preset>.json; with .venv/bin/python the vLLM column is
+absent). With ``VLLM_CPU_OMP_THREADS_BIND=nobind`` vLLM is not pinned to cores and runs one thread like the other
+engines.
 """
 
 from __future__ import annotations
@@ -26,27 +34,66 @@ import json
 import math
 import os
 import random
+import sys
 import time
 
 import torch
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "rollout_throughput.json")
+sys.path.insert(0, os.path.dirname(__file__))
+from machine_peaks import decode_roofline_tokens_per_s, measure_peaks  # noqa: E402
+
 PRESETS = {  # name -> ModelConfig overrides
     "tiny": dict(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
                  vocab_size=128, make_vocab_size_divisible_by=128),
     "small": dict(num_layers=4, hidden_size=256, ffn_hidden_size=768, num_attention_heads=4, num_query_groups=2,
                   vocab_size=4096, make_vocab_size_divisible_by=128),
+    # SmolLM2-135M-Instruct's shape (conf/model/smollm2_135m.yaml), random weights
+    "smollm2": dict(family="llama", num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
+                    num_query_groups=3, vocab_size=49152, make_vocab_size_divisible_by=128, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, qkv_bias=False, tie_word_embeddings=True),
 }
-SCENARIOS = [  # (name, prompts, n, min prompt len, max prompt len, new tokens)
-    ("16 prompts x n=1, len 16-48", 16, 1, 16, 48, 64),
-    ("4 prompts x n=8, len 16-48", 4, 8, 16, 48, 64),
-]
+SCENARIOS = {  # preset -> [(name, prompts, n, min prompt len, max prompt len, new tokens)]
+    "tiny": [("16 prompts x n=1, len 16-48", 16, 1, 16, 48, 64), ("4 prompts x n=8, len 16-48", 4, 8, 16, 48, 64)],
+    "small": [("16 prompts x n=1, len 16-48", 16, 1, 16, 48, 64), ("4 prompts x n=8, len 16-48", 4, 8, 16, 48, 64)],
+    "smollm2": [("8 prompts x n=4, len 80-160 (a step)", 8, 4, 80, 160, 64)],
+}
+
+
+def decode_costs(cfg, dtype: str) -> dict:
+    """Weight bytes a decode step reads (every matmul weight once, whatever the batch) and FLOPs per new token
+    (2 per weight of every matmul: QKV, attention output, the SwiGLU MLP, the output layer). Attention over the
+    cache (2 x 2 x context x heads x head_dim per layer) is left out: at these lengths it is < 5% of the FLOPs."""
+    h, f, layers = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+    head_dim = cfg.kv_channels or h // cfg.num_attention_heads
+    qkv = h * (cfg.num_attention_heads + 2 * cfg.num_query_groups) * head_dim
+    weights = layers * (qkv + cfg.num_attention_heads * head_dim * h + 3 * h * f) + h * cfg.vocab_size
+    return {"matmul_weights": weights, "weight_bytes": weights * (4 if dtype == "fp32" else 2),
+            "flops_per_token": 2 * weights}
+
+
+def best_peaks(*measured: dict) -> dict:
+    """Per quantity the best of the peak measurements taken around the runs: load only ever lowers a measured peak,
+    so the best is the closest to what the machine can do."""
+    keys = ("fp32_peak_gflops", "bf16_peak_gflops", "mem_bandwidth_gbs")
+    return {k: max(m[k] for m in measured) for k in keys}
+
+
+def add_rooflines(rows: list[dict], costs: dict, peaks: dict) -> None:
+    """Each row's fp32 decode roofline (machine_peaks.decode_roofline_tokens_per_s at its batch) and each engine's
+    share of it."""
+    for row in rows:
+        roof = decode_roofline_tokens_per_s(costs["weight_bytes"], costs["flops_per_token"], row["batch"], peaks,
+                                            "fp32")
+        row.update(roof)
+        for key in [k for k in row if k.endswith("_tokens_per_second")]:
+            row[key.replace("_tokens_per_second", "_share_of_roofline")] = row[key] / roof["roofline_tokens_per_s"]
 
 
 def build_models(preset: str):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
     from exgrpo_megatron.convert.hf_config import hf_config_from_model_config
@@ -58,11 +105,14 @@ def build_models(preset: str):
     init_distributed(1, 1, seed=3)
     cfg = ModelConfig(params_dtype="fp32", layer_spec="local", max_position_embeddings=512, **PRESETS[preset])
     gpt = build_gpt_model(cfg, ParallelConfig()).eval()
-    hf_cfg = hf_config_from_model_config(cfg, dtype="float32")
-    hf = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in hf_cfg.items() if k not in ("architectures",)})).eval()
+    hf_cfg = {k: v for k, v in hf_config_from_model_config(cfg, dtype="float32").items() if k != "architectures"}
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if cfg.family == "llama" else (Qwen2Config,
+                                                                                                Qwen2ForCausalLM)
+    hf = model_class(config_class(**hf_cfg)).eval()
     weights = {n: t for b in iter_hf_weight_buckets([gpt], cfg, 1 << 30, convert=megatron_to_hf) for n, t in b}
     missing, unexpected = hf.load_state_dict(weights, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    assert not unexpected and all("rotary" in m or m in tied for m in missing), (missing, unexpected)
     return cfg, gpt, hf
 
 
@@ -140,9 +190,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--note", default="", help="free text stored in the JSON (e.g. how loaded the box was)")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/rollout_throughput.json, "
+                                                   "rollout_throughput_<preset>.json for other presets than small)")
     args = parser.parse_args()
+    results = args.out or (RESULTS if args.preset == "small" else RESULTS.replace(".json", f"_{args.preset}.json"))
     torch.set_num_threads(args.threads)
+    peaks = measure_peaks(args.threads)
     cfg, gpt, hf = build_models(args.preset)
+    costs = decode_costs(cfg, "fp32")
     diff = max_logit_diff(cfg, gpt, hf)
     rng = random.Random(0)
     load_before = os.getloadavg()
@@ -154,7 +209,7 @@ def main() -> None:
     if vllm is not None:
         engines["vllm"] = lambda *a: run_vllm(vllm, *a)
     rows = []
-    for name, num_prompts, n, lo, hi, new_tokens in SCENARIOS:
+    for name, num_prompts, n, lo, hi, new_tokens in SCENARIOS[args.preset]:
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(num_prompts)]
         runs: dict[str, list[tuple[float, int]]] = {engine: [] for engine in engines}
         for _ in range(args.repeats):
@@ -165,11 +220,14 @@ def main() -> None:
             seconds, tokens = min(engine_runs)
             best[engine] = {"seconds": seconds, "new_tokens": tokens, "tokens_per_second": tokens / seconds}
         speedup = best["megatron"]["tokens_per_second"] / best["hf"]["tokens_per_second"]
-        row = {"scenario": name, **{f"{k}_{m}": v[m] for k, v in best.items() for m in v}, "speedup": speedup}
+        row = {"scenario": name, "batch": num_prompts * n,
+               **{f"{k}_{m}": v[m] for k, v in best.items() for m in v}, "speedup": speedup}
         if "vllm" in best:
             row["vllm_vs_megatron"] = best["vllm"]["tokens_per_second"] / best["megatron"]["tokens_per_second"]
         rows.append(row)
     load_after = os.getloadavg()
+    peaks_after = measure_peaks(args.threads)
+    add_rooflines(rows, costs, best_peaks(peaks, peaks_after))
     print(f"preset={args.preset} threads={args.threads} max|logit diff megatron-HF|={diff:.2e}")
     print(f"load average before {load_before}, after {load_after} ({os.cpu_count()} cores)")
     print(f"{'scenario':32s} {'megatron tok/s':>15s} {'HF tok/s':>10s} {'speedup':>8s} {'megatron_ref tok/s':>19s}"
@@ -178,18 +236,25 @@ def main() -> None:
         print(f"{r['scenario']:32s} {r['megatron_tokens_per_second']:15.0f} {r['hf_tokens_per_second']:10.0f} "
               f"{r['speedup']:7.2f}x {r['megatron_ref_tokens_per_second']:19.0f}"
               f" {r.get('vllm_tokens_per_second', math.nan):11.0f} {r.get('vllm_vs_megatron', math.nan):13.2f}x")
+    for r in rows:
+        print(f"{r['scenario']}: roofline {r['roofline_tokens_per_s']:.0f} tok/s ({r['bound']} bound); megatron at "
+              f"{r['megatron_share_of_roofline']:.0%} of it" + (f", vLLM at {r['vllm_share_of_roofline']:.0%}"
+                                                                 if "vllm_share_of_roofline" in r else ""))
+    print(f"machine peaks before {peaks}, after {peaks_after}")
     if vllm is not None:
         print(f"vLLM start-up (build + first refit, enforce_eager, CPU build): {vllm_startup:.1f} s")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    os.makedirs(os.path.dirname(results), exist_ok=True)
+    with open(results, "w") as f:
         json.dump({"preset": args.preset, "model": PRESETS[args.preset], "threads": args.threads,
                    "repeats": args.repeats, "max_logit_diff": diff, "cpu_count": os.cpu_count(),
                    "load_average_before": load_before, "load_average_after": load_after,
                    "loaded": max(load_before[0], load_after[0]) > (os.cpu_count() or 1), "note": args.note,
+                   "machine_peaks": peaks, "machine_peaks_after": peaks_after,
+                   "roofline_peaks": best_peaks(peaks, peaks_after), "decode_costs_fp32": costs,
                    "vllm": None if vllm is None else {"version": _vllm_version(), "startup_seconds": vllm_startup,
                                                       "settings": "fp32, enforce_eager, CPU build (vllm-cpu)"},
                    "rows": rows}, f, indent=2)
-    print(f"wrote {RESULTS}")
+    print(f"wrote {results}")
 
 
 def _vllm_version() -> str:

@@ -146,6 +146,11 @@ def single_rank_checks() -> dict:
     pad_free = MegatronRolloutEngine(model, vocab_size=VOCAB, pad_free_batches=True).generate(
         prompts, 2, base, request_seeds=[70, 71, 72])
     out["mixed"], out["alone"] = _as_lists(mixed), _as_lists(alone)
+    # Per-prompt sample counts (a step's fresh groups K, replayed groups K-1) in one call == one call per count.
+    counts = [3, 2, 3]
+    out["counts_one_call"] = _as_lists(engine.generate(prompts, counts, base, request_seeds=[70, 71, 72]))
+    out["counts_per_count"] = [_as_lists(engine.generate([prompts[i]], c, base, request_seeds=[70 + i]))[0]
+                               for i, c in enumerate(counts)]
     out["tiny_batches"], out["pad_free"] = _as_lists(tiny_batches), _as_lists(pad_free)
 
     # Stops: derive EOS / stop ids / stop strings from an unconstrained run with the same seeds.
@@ -227,6 +232,13 @@ def test_padded_batch_equals_single_prompt_and_chunking(single):
     _assert_same(single["mixed"], single["alone"])
     _assert_same(single["mixed"], single["tiny_batches"])
     _assert_same(single["mixed"], single["pad_free"])
+
+
+def test_per_prompt_sample_counts_in_one_call_equal_separate_calls(single):
+    one_call = single["counts_one_call"]
+    assert [len(g) for g in one_call] == [3, 2, 3]
+    _assert_same(one_call, single["counts_per_count"])
+    _assert_same([g[:2] for g in one_call], single["mixed"])  # sample j's seed does not depend on the counts
 
 
 def test_eos_stop_token_stop_string_and_length(single):
@@ -320,6 +332,86 @@ def test_sample_tokens_matches_filtered_distribution():
         assert torch.allclose(logp.double(), torch.log(p[tokens]), atol=1e-6)
 
 
+def _sample_tokens_fp64_copy(logits, uniforms, temperature, top_p=1.0, top_k=-1):
+    """The sampler as first written: logits / T, an fp64 copy of the probabilities, then their cumsum."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    probs = logp_all.exp()
+    target = uniforms.double()[:, None]
+    if top_k > 0 or top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+        if top_k > 0:
+            keep[:, top_k:] = False
+        keep &= torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        cdf = torch.cumsum(torch.where(keep, sorted_probs, 0.0).double(), dim=-1)
+        pick = torch.searchsorted(cdf, target * cdf[:, -1:], right=True).clamp_(max=cdf.size(-1) - 1)
+        tokens = order.gather(-1, pick).squeeze(-1)
+    else:
+        cdf = torch.cumsum(probs.double(), dim=-1)
+        tokens = torch.searchsorted(cdf, target * cdf[:, -1:], right=True).clamp_(max=cdf.size(-1) - 1).squeeze(-1)
+    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def test_sample_tokens_draws_exactly_what_the_fp64_copy_did():
+    """The sampler's shortcuts (no division at T = 1, the fp64 cast inside cumsum) draw the same tokens with the same
+    log-probs, bit for bit, at the decode's shape (a SmolLM2-sized vocabulary: the CDF sums 49152 probabilities)."""
+    gen = torch.Generator().manual_seed(0)
+    for temperature, top_p, top_k in [(1.0, 1.0, -1), (0.7, 1.0, -1), (1.0, 0.9, 50), (0.6, 0.95, -1)]:
+        logits = torch.randn(64, 49152, generator=gen) * 4
+        uniforms = torch.rand(64, dtype=torch.float64, generator=gen)
+        if top_p == 1.0 and top_k <= 0:  # half the rows drawn ON a CDF boundary: one ulp of any sum moves the token
+            cdf = torch.cumsum(torch.log_softmax(logits / temperature, -1).exp().double(), -1)[:32]
+            at = torch.randint(0, 49152, (32, 1), generator=gen)
+            uniforms[:32] = (cdf.gather(-1, at) / cdf[:, -1:]).squeeze(-1)
+        got = sample_tokens(logits, uniforms, temperature, top_p, top_k)
+        want = _sample_tokens_fp64_copy(logits, uniforms, temperature, top_p, top_k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (temperature, top_p, top_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_rope_is_megatrons_formula_bit_for_bit(dtype):
+    """The KV-cache stage's RoPE (roll and a signed sin) equals megatron's x cos + rotate_half(x) sin exactly, on a
+    non-contiguous query view as the stage gets it, with full and partial rotary dims."""
+    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+    from exgrpo_megatron.rollout.kv_decode import apply_rope, signed_sin
+
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 3, 12, 64, generator=gen).to(dtype)
+    for rot in (64, 32):
+        freqs = torch.randn(5, 1, 1, rot, generator=gen)
+        cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+        for x in (qkv[:, :, :8], qkv[:1, :, 8:]):  # [s, b, heads, d] views of a fused projection
+            head = x[..., :rot]
+            want = torch.cat((head * cos[: x.shape[0]] + _rotate_half(head, False) * sin[: x.shape[0]],
+                              x[..., rot:]), dim=-1)
+            assert torch.equal(apply_rope(x, cos[: x.shape[0]], signed_sin(sin)[: x.shape[0]]), want), (rot, x.shape)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_cache_attention_equals_the_float64_formula(dtype, tol):
+    """Decode attention over the cache (fp32: explicit matmuls; bf16: torch's fused kernel) against float64
+    softmax(scale q k^T + mask) v with megatron's GQA grouping g(h) = h // (heads / groups), for one decode query
+    and a prefill block with a causal | padding mask."""
+    from exgrpo_megatron.rollout.kv_decode import attention_mask, cache_attention
+
+    gen = torch.Generator().manual_seed(0)
+    b, heads, groups, d, total = 3, 6, 2, 16, 9
+    keys, values = (torch.randn(b, groups, total, d, generator=gen) for _ in range(2))
+    valid = torch.ones(b, total, dtype=torch.bool)
+    valid[1, :3] = False  # left padding
+    for start, s in ((total - 1, 1), (0, total)):
+        q = torch.randn(s, b, heads, d, generator=gen)
+        mask = attention_mask(valid, start, s)
+        k, v = keys[:, :, : start + s], values[:, :, : start + s]
+        group_of = torch.arange(heads) // (heads // groups)
+        scores = torch.einsum("sbhd,bhtd->bhst", q.double(), k.double()[:, group_of]) * 0.25
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        want = torch.einsum("bhst,bhtd->sbhd", probs, v.double()[:, group_of]).reshape(s, b, heads * d)
+        got = cache_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.25)
+        assert got.dtype == dtype and (got.double() - want).abs().max() <= tol, (dtype, start)
+
+
 def test_splice_replay_layout():
     fresh = [Sample([1, 2], [3, 4], [-0.1, -0.2], "eos"), Sample([1, 2], [5], [-0.3], "length")]
     spliced = splice_replay(fresh, [1, 2], [7, 8, 9], [-1.0, -2.0, -3.0])
@@ -341,7 +433,10 @@ def test_generate_requests_are_checked_the_same_way_for_every_engine():
 
     assert request_seeds_for([[1], [2, 3]], 2, None) == [0, 1]
     assert request_seeds_for([[1], [2, 3]], 1, [7, 9]) == [7, 9]
+    assert request_seeds_for([[1], [2, 3]], [3, 2], None) == [0, 1]
     for prompts, n, seeds, message in (([[1]], 0, None, "n must be"), ([[1], []], 1, None, "empty prompt"),
-                                       ([[1], [2]], 1, [5], "1 request seeds for 2 prompts")):
+                                       ([[1], [2]], 1, [5], "1 request seeds for 2 prompts"),
+                                       ([[1], [2]], [2, 0], None, "n must be"),
+                                       ([[1], [2]], [2], None, "1 sample counts for 2 prompts")):
         with pytest.raises(ValueError, match=message):
             request_seeds_for(prompts, n, seeds)

@@ -122,10 +122,12 @@ def test_chunks_are_graded_while_the_next_chunk_generates_with_identical_results
     assert got["reported"] == got["expected_reports"] and len(got["reported"]) > 1
     assert sorted(i for idx in got["reported"] for i in idx) == list(range(5))
     assert got["reported_samples"] == got["returned_samples"]
-    # 5 fresh groups of K=4 in batches of 8 rows -> batches finishing 2, 2, 1 groups, each graded inside the
-    # engine call; then the replay group (K-1 rows) in its own call
-    assert got["events"] == [("generate", 5), ("submit", 8), ("submit", 8), ("submit", 4), ("generated", 5),
-                             ("generate", 1), ("submit", 4), ("generated", 1)]
+    # ONE engine call for the 5 fresh groups (K rows each) and the replay group (K-1 rows): 23 rows in batches of
+    # 8, each batch's completed groups graded inside the call (the replay group with its spliced K-th sample)
+    assert got["events"][0] == ("generate", 6) and got["events"][-1] == ("generated", 6)
+    submits = got["events"][1:-1]
+    assert all(kind == "submit" for kind, _ in submits) and len(submits) > 1
+    assert sum(items for _, items in submits) == 6 * K
     assert got["streamed"] == got["one_shot"]  # bit-identical samples
     assert got["streamed_rewards"] == got["one_shot_rewards"]  # same rewards, same order
     assert got["streamed"][2][-1][2] and got["streamed_rewards"][2 * K + K - 1] == 1.0  # the spliced correct replay

@@ -1,14 +1,17 @@
-"""Generate the K samples of every question group of this rank.
+"""Generate the K samples of every question group of this rank, in ONE engine call.
 
 Fresh questions get K samples; an experience question gets K-1 fresh samples and its stored
 trajectory spliced in as the K-th (`splice_replay`), so replayed trajectories are never
-regenerated. Request seeds are derived from the question id, so a question's samples do not
-depend on which rank or batch it lands in.
+regenerated. Both kinds go to the engine together, with per-prompt sample counts (K or K-1): one
+batch of rows instead of a call per kind (a mixed step's two calls ran the decode loop twice over
+half-empty batches). Request seeds are derived from the question id and sample j of a group uses
+row seed (call seed, qid, j) whatever else is in the call, so a question's samples do not depend
+on which rank, batch or call it lands in (up to the fp rounding of different batch shapes, see
+rollout/megatron_engine.py).
 
-Streaming: one engine call per sample count (fresh groups: K, experience groups: K-1). The engine
-reports the groups each of its batches finishes (`on_prompts_done`, rollout/types.py) and they are
-forwarded to `on_chunk`, so the caller can grade them while the engine generates the next batch;
-the samples are those of the same call without streaming.
+Streaming: the engine reports the groups each of its batches finishes (`on_prompts_done`,
+rollout/types.py) and they are forwarded to `on_chunk`, so the caller can grade them while the
+engine generates the next batch; the samples are those of the same call without streaming.
 """
 
 from __future__ import annotations
@@ -27,24 +30,23 @@ def generate_groups(engine: RolloutEngine, groups: list[QuestionGroup], k: int, 
     """Samples of every group (in `groups` order); `on_chunk(indices, samples)` for the groups of each engine
     batch as it finishes (indices ascending within a batch)."""
     out: list[list[Sample]] = [[] for _ in groups]
-    for n, replay in ((k, False), (k - 1, True)):
-        idx = [i for i, g in enumerate(groups) if (g.replay is not None) == replay]
-        if not idx:
-            continue
+    if not groups:
+        return out
 
-        def finished(positions: list[int], samples: list[list[Sample]], idx: list[int] = idx) -> None:
-            chunk = [idx[p] for p in positions]
-            for i, group_samples in zip(chunk, samples, strict=True):
-                stored = groups[i].replay
-                if stored is not None:
-                    group_samples = splice_replay(group_samples, groups[i].prompt_ids, stored.token_ids.tolist(),
-                                                  stored.logprobs.tolist())
-                out[i] = group_samples
-            if on_chunk is not None:
-                on_chunk(chunk, [out[i] for i in chunk])
+    def finished(positions: list[int], samples: list[list[Sample]]) -> None:
+        for i, group_samples in zip(positions, samples, strict=True):
+            stored = groups[i].replay
+            if stored is not None:
+                group_samples = splice_replay(group_samples, groups[i].prompt_ids, stored.token_ids.tolist(),
+                                              stored.logprobs.tolist())
+            out[i] = group_samples
+        if on_chunk is not None:
+            on_chunk(positions, [out[i] for i in positions])
 
-        engine.generate([groups[i].prompt_ids for i in idx], n, params, request_seeds=[groups[i].qid for i in idx],
-                        on_prompts_done=finished)
-        if missing := [i for i in idx if not out[i]]:
-            raise RuntimeError(f"{type(engine).__name__}.generate did not report groups {missing} as done")
+    counts = [k if g.replay is None else k - 1 for g in groups]
+    n: int | list[int] = counts[0] if len(set(counts)) == 1 else counts  # one count where every group has it
+    engine.generate([g.prompt_ids for g in groups], n, params, request_seeds=[g.qid for g in groups],
+                    on_prompts_done=finished)
+    if missing := [i for i, samples in enumerate(out) if not samples]:
+        raise RuntimeError(f"{type(engine).__name__}.generate did not report groups {missing} as done")
     return out

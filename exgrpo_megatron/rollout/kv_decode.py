@@ -13,10 +13,11 @@ TP collectives inside them) and replaces only the attention core, per layer l an
     o[b, h, t]   = softmax_s(scale * <RoPE(q_t, t)[b, h], K_l[b, g(h), s]> + mask[b, t, s]) V_l[b, g(h), s]
 
 with g(h) = h // (heads / groups) (megatron's GQA grouping), scale = config.softmax_scale or
-1/sqrt(head_dim), the softmax in fp32, and the query heads of a group batched against that group's
-keys (no copy). mask[b, t, s] is 0 or -inf. RoPE is megatron's formula (x cos + rotate_half(x) sin,
-cos/sin of the model's own RotaryEmbedding freqs), so the stage computes the same function as
-`GPTModel.forward` up to fp rounding.
+1/sqrt(head_dim), the softmax in fp32, and the query heads of a group attending to that group's
+keys without copies (`cache_attention`: torch's fused kernel in bf16, explicit matmuls in fp32).
+mask[b, t, s] is 0 or -inf. RoPE is megatron's formula (x cos + rotate_half(x) sin, cos/sin of the
+model's own RotaryEmbedding freqs), so the stage computes the same function as `GPTModel.forward`
+up to fp rounding.
 
 `attention_mask` returns True where a key may be attended (torch SDPA's convention, the opposite of
 megatron's). Query positions of left padding attend only to themselves, which keeps them finite.
@@ -24,9 +25,11 @@ megatron's). Query positions of left padding attend only to themselves, which ke
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+import torch.autograd.profiler
 
 
 def unsupported_reason(model) -> str | None:
@@ -58,19 +61,31 @@ def unsupported_reason(model) -> str | None:
     return next((why for why, bad in checks.items() if bad), None)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dim (megatron's non-interleaved RoPE)."""
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def profile_range(name: str) -> contextlib.AbstractContextManager:
+    """A `torch.profiler` range called `name` while a profiler records (bench/decode_profile.py buckets the decode
+    time by these ranges), else nothing: an unused range still costs microseconds per call."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [s, b, heads, d] rotated by per-position cos/sin [s, 1, 1, d_rot]; dims >= d_rot pass."""
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[-sin, sin] halves of `sin` [..., d_rot]: rotate_half(x) * sin == roll(x, d_rot/2) * signed_sin(sin), exactly
+    (rotate_half(x) = [-x2, x1] and roll(x) = [x2, x1]; (-a) * b == a * (-b) in floating point)."""
+    sign = torch.ones(sin.shape[-1], dtype=sin.dtype, device=sin.device)
+    sign[: sin.shape[-1] // 2] = -1
+    return sin * sign
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [s, b, heads, d] rotated by per-position cos / `signed_sin(sin)` [s, 1, 1, d_rot]; dims >= d_rot pass.
+    Megatron's x cos + rotate_half(x) sin, bit for bit, in three kernels (mul, roll, mul) and an add instead of
+    rotate_half's chunk + neg + cat."""
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + torch.roll(x, rot // 2, -1) * sin_signed
     head, tail = x[..., :rot], x[..., rot:]
-    return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
+    return torch.cat((head * cos + torch.roll(head, rot // 2, -1) * sin_signed, tail), dim=-1)
 
 
 def attention_mask(valid: torch.Tensor, start: int, seq: int) -> torch.Tensor:
@@ -100,7 +115,7 @@ class KVCacheStage:
         self.scale = cfg.softmax_scale if cfg.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         freqs = model.rotary_pos_emb(max_len)  # [max_len, 1, 1, d_rot], the model's own freqs
         dtype = cfg.params_dtype
-        self.cos, self.sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+        self.cos, self.sin = torch.cos(freqs).to(dtype), signed_sin(torch.sin(freqs).to(dtype))
         self.max_len = max_len
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.filled = 0  # positions [0, filled) of every cache row are written
@@ -113,7 +128,8 @@ class KVCacheStage:
             out[:, :, :self.filled] = cache[index, :, :self.filled]
             return out
 
-        self.cache = [(take(k), take(v)) for k, v in self.cache]
+        with profile_range("select_rows"):
+            self.cache = [(take(k), take(v)) for k, v in self.cache]
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor | None, start: int, valid: torch.Tensor):
         model = self.model
@@ -139,12 +155,15 @@ class KVCacheStage:
     def _layer(self, i: int, layer, hidden, start: int, cos, sin, mask) -> torch.Tensor:
         attn = layer.self_attention
         q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(hidden))  # [s, b, heads|groups, d]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = self._cache(i, k)
-        end = start + k.shape[0]
-        k_cache[:, :, start:end] = k.permute(1, 2, 0, 3)
-        v_cache[:, :, start:end] = v.permute(1, 2, 0, 3)
-        context = self._attention(q, k_cache[:, :, :end], v_cache[:, :, :end], mask)
+        with profile_range("rope"):
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        with profile_range("cache_write"):
+            k_cache, v_cache = self._cache(i, k)
+            end = start + k.shape[0]
+            k_cache[:, :, start:end] = k.permute(1, 2, 0, 3)
+            v_cache[:, :, start:end] = v.permute(1, 2, 0, 3)
+        with profile_range("attention"):
+            context = self._attention(q, k_cache[:, :, :end], v_cache[:, :, :end], mask)
         out, bias = attn.linear_proj(context)
         hidden = hidden + (out if bias is None else out + bias)
         out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
@@ -157,13 +176,42 @@ class KVCacheStage:
         return self.cache[i]
 
     def _attention(self, q, keys, values, mask) -> torch.Tensor:
-        """q [s, b, H, d], keys/values [b, G, T, d], mask [b, 1, s, T] -> context [s, b, H*d]."""
-        s, b, heads, d = q.shape
-        groups = keys.shape[1]
-        per_group = heads // groups
-        qg = q.permute(1, 2, 0, 3).reshape(b, groups, per_group * s, d)  # rows (head in group, position)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).view(b, groups, per_group, s, -1)
-        scores = scores.float().mul_(self.scale).masked_fill_(~mask[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b, groups, per_group * s, -1)
-        context = torch.matmul(probs, values).view(b, heads, s, d)  # heads ordered (group, head in group)
-        return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+        return cache_attention(q, keys, values, mask, self.scale)
+
+
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q [s, b, H, d], keys/values [b, G, T, d], mask [b, 1, s, T] (True = may attend) -> context [s, b, H*d].
+
+    fp32: explicit matmuls with the query heads of a group batched against its keys, the softmax in fp32.
+    bf16/fp16: torch's fused `scaled_dot_product_attention` (GQA without copies, fp32 accumulation and softmax
+    inside), 25-30% faster than the explicit path at the decode's shapes (32 rows, 9 heads / 3 groups, 100-300
+    cached positions, CPU time) and closer to the exact value (no bf16 rounding of the scores and probabilities);
+    in fp32 the fused kernel is slower, and the explicit path keeps the fp32 engine's samples as they were."""
+    if q.dtype in (torch.bfloat16, torch.float16):
+        return fused_cache_attention(q, keys, values, mask, scale)
+    return explicit_cache_attention(q, keys, values, mask, scale)
+
+
+def fused_cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """`cache_attention` through torch's `scaled_dot_product_attention` (GQA by enable_gqa: query head h reads
+    group h // (H / G), megatron's grouping)."""
+    s, b, heads, d = q.shape
+    out = torch.nn.functional.scaled_dot_product_attention(q.permute(1, 2, 0, 3), keys, values, attn_mask=mask,
+                                                           scale=scale, enable_gqa=heads != keys.shape[1])
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+def explicit_cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """`cache_attention` as matmul, fp32 masked softmax, matmul; a group's query heads batched against its keys."""
+    s, b, heads, d = q.shape
+    groups = keys.shape[1]
+    per_group = heads // groups
+    qg = q.permute(1, 2, 0, 3).reshape(b, groups, per_group * s, d)  # rows (head in group, position)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).view(b, groups, per_group, s, -1)
+    scores = scores.float().mul_(scale).masked_fill_(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b, groups, per_group * s, -1)
+    context = torch.matmul(probs, values).view(b, heads, s, d)  # heads ordered (group, head in group)
+    return context.permute(2, 0, 1, 3).reshape(s, b, heads * d)

@@ -8,9 +8,10 @@ the reference, and the fallback for models with features
 KVCacheStage does not implement, see `kv_decode.unsupported_reason`). Both give the same samples
 up to fp rounding of the logits (tested).
 
-1. Batching. The call's n x len(prompts) rows are sorted by prompt length (longest first) and cut
-   into chunks of `max_batch_sequences` rows. In a chunk each distinct prompt is prefilled ONCE and
-   its KV cache is copied to its n sample rows. Rows leave the decode batch as soon as they finish
+1. Batching. The call's rows (n per prompt, or n[i] for prompt i: fresh and replayed groups of a
+   step in one call) are sorted by prompt length (longest first) and cut into chunks of
+   `max_batch_sequences` rows. In a chunk each distinct prompt is prefilled ONCE and its KV cache is
+   copied to its sample rows. Rows leave the decode batch as soon as they finish
    (their KV rows are dropped), and a chunk stops when every row has finished. After each chunk the
    prompts whose n rows have all finished go to `on_prompts_done` (rollout/types.py), so a caller can
    grade them while the next chunk generates.
@@ -48,7 +49,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.rollout.kv_decode import KVCacheStage, attention_mask, unsupported_reason
+from exgrpo_megatron.rollout.kv_decode import KVCacheStage, attention_mask, profile_range, unsupported_reason
 from exgrpo_megatron.rollout.sampling import (
     find_stop_string,
     mask_padded_vocab,
@@ -61,9 +62,11 @@ from exgrpo_megatron.rollout.types import (
     FinishReason,
     PromptsDone,
     Sample,
+    SampleCounts,
     SamplingParams,
     TextDecoder,
     request_seeds_for,
+    sample_counts,
 )
 
 Row = tuple[int, int, int]  # (prompt index, sample index, row seed)
@@ -186,16 +189,17 @@ class MegatronRolloutEngine:
     def generate(
         self,
         prompts: list[list[int]],
-        n: int,
+        n: SampleCounts,
         params: SamplingParams,
         request_seeds: list[int] | None = None,
         on_prompts_done: PromptsDone | None = None,
     ) -> list[list[Sample]]:
         seeds = request_seeds_for(prompts, n, request_seeds)
+        counts = sample_counts(prompts, n)
         if params.stop_strings and self.decode is None:
             raise ValueError("stop_strings need a tokenizer with decode()")
         start = time.perf_counter()
-        rows = [(i, j, row_seed(params.seed, seeds[i], j)) for i in range(len(prompts)) for j in range(n)]
+        rows = [(i, j, row_seed(params.seed, seeds[i], j)) for i in range(len(prompts)) for j in range(counts[i])]
         chunks = plan_chunks([len(p) for p in prompts], rows, self.max_batch_sequences, self.pad_free_batches)
         results: list[dict[int, Sample]] = [{} for _ in prompts]  # sample index -> sample, per prompt
         was_training = self.model.training
@@ -206,13 +210,13 @@ class MegatronRolloutEngine:
                     for (i, j, _), sample in zip(chunk, self._generate_chunk(prompts, chunk, params), strict=True):
                         results[i][j] = sample
                     if on_prompts_done is not None:
-                        # completed in this chunk: a row here, and now all n (rows are never repeated)
-                        done = sorted({i for i, _, _ in chunk if len(results[i]) == n})
-                        on_prompts_done(done, [[results[i][j] for j in range(n)] for i in done])
+                        # completed in this chunk: a row here, and now all its samples (rows are never repeated)
+                        done = sorted({i for i, _, _ in chunk if len(results[i]) == counts[i]})
+                        on_prompts_done(done, [[results[i][j] for j in range(counts[i])] for i in done])
         finally:
             self.model.set_input_tensor(None)
             self.model.train(was_training)
-        samples = [[group[j] for j in range(n)] for group in results]
+        samples = [[group[j] for j in range(c)] for group, c in zip(results, counts, strict=True)]
         seconds = time.perf_counter() - start
         new_tokens = sum(len(s.response_ids) for group in samples for s in group)
         self.tokens_per_second = new_tokens / max(seconds, 1e-9)
@@ -238,11 +242,12 @@ class MegatronRolloutEngine:
             valid[k, prompt_len - len(p): prompt_len] = True
 
         stage = self._stage(batch, total_len)
-        logits = self._forward(stage, tokens, valid, start=0)  # prefill: each distinct prompt once
-        if batch > len(unique):  # ... its KV rows copied to its n sample rows
-            stage.select_rows(expand)
-            valid = valid[expand]
-            logits = logits[expand] if logits is not None else None
+        with profile_range("prefill"):
+            logits = self._forward(stage, tokens, valid, start=0)  # prefill: each distinct prompt once
+            if batch > len(unique):  # ... its KV rows copied to its sample rows
+                stage.select_rows(expand)
+                valid = valid[expand]
+                logits = logits[expand] if logits is not None else None
 
         seeds = [r[2] for r in chunk]
         active = list(range(batch))
@@ -324,7 +329,8 @@ class MegatronRolloutEngine:
 
         shared = torch.zeros(batch, 2, dtype=torch.float64, device=device)  # tokens < 2**53 are exact
         if logits is not None:
-            tok, logp = sample_tokens(logits, uniforms, params.temperature, params.top_p, params.top_k)
+            with profile_range("sampling"):
+                tok, logp = sample_tokens(logits, uniforms, params.temperature, params.top_p, params.top_k)
             shared[:, 0], shared[:, 1] = tok.double(), logp.double()
             if ps.get_tensor_model_parallel_world_size() > 1:
                 dist.broadcast(shared, src=ps.get_tensor_model_parallel_src_rank(),

@@ -70,7 +70,9 @@ def sample_tokens(
         logp_all = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
         return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    # x / 1.0 == x exactly: no pass over the logits at T = 1. The CDFs are fp64 sums of the fp32 probabilities,
+    # cast inside cumsum (dtype=) rather than by a separate fp64 copy of the [B, V] probabilities: the same sums.
+    logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
     probs = logp_all.exp()
     target = uniforms.to(device=logits.device, dtype=torch.float64)[:, None]
     if top_k > 0 or top_p < 1.0:
@@ -81,11 +83,11 @@ def sample_tokens(
         if top_p < 1.0:
             mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
             keep &= mass_before < top_p  # the most probable token always stays
-        cdf = torch.cumsum(torch.where(keep, sorted_probs, 0.0).double(), dim=-1)
+        cdf = torch.cumsum(torch.where(keep, sorted_probs, 0.0), dim=-1, dtype=torch.float64)
         pick = torch.searchsorted(cdf, target * cdf[:, -1:], right=True).clamp_(max=cdf.size(-1) - 1)
         tokens = order.gather(-1, pick).squeeze(-1)
     else:
-        cdf = torch.cumsum(probs.double(), dim=-1)
+        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
         tokens = torch.searchsorted(cdf, target * cdf[:, -1:], right=True).clamp_(max=cdf.size(-1) - 1).squeeze(-1)
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
 

@@ -13,7 +13,7 @@ Greedy decoding (temperature == 0) returns log_softmax(logits) (T treated as 1).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -60,11 +60,24 @@ class Sample:
             raise ValueError(f"{len(self.logprobs)} log-probs for {len(self.response_ids)} response tokens")
 
 
-def request_seeds_for(prompts: list[list[int]], n: int, request_seeds: list[int] | None) -> list[int]:
-    """Check a `generate()` call's requests (n >= 1, no empty prompt, one seed per prompt) and return the
+SampleCounts = int | Sequence[int]  # samples per prompt: one count for every prompt, or one per prompt
+
+
+def sample_counts(prompts: list[list[int]], n: SampleCounts) -> list[int]:
+    """The number of samples of each prompt of a `generate()` call: `n` for every prompt, or `n[i]` for prompt i
+    (one call for groups of different sizes: fresh groups K samples, replayed groups K-1). Every count >= 1."""
+    counts = [n] * len(prompts) if isinstance(n, int) else list(n)
+    if len(counts) != len(prompts):
+        raise ValueError(f"{len(counts)} sample counts for {len(prompts)} prompts")
+    if any(c < 1 for c in counts):
+        raise ValueError("n must be >= 1 for every prompt")
+    return counts
+
+
+def request_seeds_for(prompts: list[list[int]], n: SampleCounts, request_seeds: list[int] | None) -> list[int]:
+    """Check a `generate()` call's requests (n >= 1 per prompt, no empty prompt, one seed per prompt) and return the
     per-request seeds; by default request i's seed is i. Shared by every engine."""
-    if n < 1:
-        raise ValueError("n must be >= 1")
+    sample_counts(prompts, n)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt")
     seeds = list(range(len(prompts))) if request_seeds is None else list(request_seeds)
@@ -90,8 +103,9 @@ class TextDecoder(Protocol):
 class RolloutEngine(Protocol):
     """Generation from the current policy weights, colocated with training.
 
-    `generate(prompts, n, params, request_seeds)` returns, for each prompt, `n` samples in order.
-    Sample j of prompt i is drawn with the seed derived from (params.seed, request_seeds[i], j);
+    `generate(prompts, n, params, request_seeds)` returns, for each prompt, `n` samples in order (`n` a list:
+    `n[i]` samples of prompt i, `sample_counts`). Sample j of prompt i is drawn with the seed derived from
+    (params.seed, request_seeds[i], j), whatever the other prompts' counts;
     `request_seeds` defaults to the prompt's index in the call. What is guaranteed is engine
     specific and documented on each engine; all of them guarantee that every rank of one model
     replica (all TP and PP ranks) returns identical samples.
@@ -106,7 +120,7 @@ class RolloutEngine(Protocol):
     def generate(
         self,
         prompts: list[list[int]],
-        n: int,
+        n: SampleCounts,
         params: SamplingParams,
         request_seeds: list[int] | None = None,
         on_prompts_done: PromptsDone | None = None,

@@ -52,7 +52,15 @@ import torch.distributed as dist
 from exgrpo_megatron.convert.hf_tokenizer import has_tokenizer
 from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
 from exgrpo_megatron.rollout.sampling import row_seed
-from exgrpo_megatron.rollout.types import FinishReason, PromptsDone, Sample, SamplingParams, request_seeds_for
+from exgrpo_megatron.rollout.types import (
+    FinishReason,
+    PromptsDone,
+    Sample,
+    SampleCounts,
+    SamplingParams,
+    request_seeds_for,
+    sample_counts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +196,7 @@ class VLLMRolloutEngine:
     def generate(
         self,
         prompts: list[list[int]],
-        n: int,
+        n: SampleCounts,
         params: SamplingParams,
         request_seeds: list[int] | None = None,
         on_prompts_done: PromptsDone | None = None,
@@ -198,6 +206,7 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         seeds = request_seeds_for(prompts, n, request_seeds)
+        counts = sample_counts(prompts, n)
         if params.stop_strings and not self.has_tokenizer:
             raise ValueError("stop strings need the tokenizer files in the model's HF directory (model.hf_path)")
         self.refit_if_stale()
@@ -207,7 +216,7 @@ class VLLMRolloutEngine:
         requests = [TokensPrompt(prompt_token_ids=list(prompts[i])) for i in mine]
         sampling = [
             VllmSamplingParams(
-                n=n, temperature=params.temperature, top_p=params.top_p,
+                n=counts[i], temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k if params.top_k > 0 else -1,
                 max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
                 stop=list(params.stop_strings), include_stop_str_in_output=True,
