@@ -4,7 +4,7 @@ refactored: every logged metric except timings (exact floats) and a sha256 of th
     python -m tests.helpers.demo_digest OUT.json   # records the reference arms (run on the reference code)
 
 tests/test_demo_bitwise.py compares today's code against the values recorded this way on the code before the
-algorithm protocol (tests/fixtures/demo_digest_reference.json).
+algorithm protocol (tests/fixtures/demo_digest_reference_<cpu>.json, one per kind of CPU).
 """
 
 from __future__ import annotations
