@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from exgrpo_megatron.algo.policy_loss import LossBatch
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.algo.variants.dapo import DAPO
 from exgrpo_megatron.algo.variants.exgrpo import ExGRPO
@@ -99,8 +100,9 @@ def test_rloo_loss_equals_the_ppo_clip_reference():
     logp = old + 0.4 * torch.randn(3, 5, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
     adv = algo.advantages(torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.float64))[0]
-    loss, metrics = algo.loss(logp, None, mask, old_logprobs=old, behaviour_logprobs=old, advantages=adv,
-                              replay=torch.zeros(3), phase=Phase.WARMUP, normalisers=(7.0, 9.0))
+    batch = LossBatch.rows(logp, None, mask, old_logprobs=old, behaviour_logprobs=old, advantages=adv,
+                           replay=torch.zeros(3))
+    loss, metrics = algo.loss(batch, phase=Phase.WARMUP, normalisers=(7.0, 9.0))
     ref = _ppo_clip_reference(logp, old, adv.tolist(), mask, algo.clip_ratio, 7.0)
     assert float(loss) == pytest.approx(ref, rel=1e-12) and float(metrics["pg_loss"]) == pytest.approx(ref, rel=1e-12)
 

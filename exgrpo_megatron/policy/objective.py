@@ -2,8 +2,8 @@
 
 `token_stats_fn` (forward only): log-probs of the targets and token entropies, used for old
 log-probs, trajectory selection and the mismatch metric. `rl_loss_fn`: the algorithm's loss (algo/protocol.py)
-on the chunked vocab-parallel log-probs and entropy (`policy/output_layer.py`) and the micro-batch's typed
-`LossInputs`.
+on a `LossBatch`: the chunked vocab-parallel log-probs and entropy (`policy/output_layer.py`), the micro-batch's typed
+`LossInputs` and its `sequences` (each token's sequence, padded or packed).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from exgrpo_megatron.algo.loss import mult_prob_error_sums
+from exgrpo_megatron.algo.policy_loss import LossBatch
 from exgrpo_megatron.algo.protocol import RLAlgorithm
 from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.policy.batch import MicroBatch
@@ -51,9 +52,8 @@ def rl_loss_fn(algorithm: RLAlgorithm, *, phase: Phase, normalisers: tuple[float
         logp, ent = output.logprobs_entropy(mb, vocab_size=vocab_size, temperature=temperature,
                                             with_entropy=True, entropy_grad=algorithm.entropy_coeff > 0)
         old = logp.detach() if x.old_logprobs is None else x.old_logprobs  # None: weights still pi_old's
-        loss, metrics = algorithm.loss(logp, ent, mb.loss_mask, old_logprobs=old,
-                                       behaviour_logprobs=x.behaviour_logprobs, advantages=x.advantages,
-                                       replay=x.replay, phase=phase, normalisers=normalisers)
+        batch = LossBatch(logp, ent, mb.loss_mask, old, x.behaviour_logprobs, x.advantages, x.replay, mb.sequences)
+        loss, metrics = algorithm.loss(batch, phase=phase, normalisers=normalisers)
         if x.measure_mismatch:  # weights still pi_old's: exp(|logp_behaviour - logp|) over fresh tokens
             fresh = mb.loss_mask.bool() & ~x.replay.bool()
             total, count = mult_prob_error_sums(x.behaviour_logprobs, logp.detach(), fresh)
