@@ -8,6 +8,8 @@ on a `LossBatch`: the chunked vocab-parallel log-probs and entropy (`policy/outp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from exgrpo_megatron.algo.loss import mult_prob_error_sums
@@ -17,6 +19,8 @@ from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.policy.batch import MicroBatch
 from exgrpo_megatron.policy.output_layer import LastStageOutput
 from exgrpo_megatron.policy.policy import LossFn
+
+LossObserver = Callable[[LastStageOutput, MicroBatch, torch.Tensor, dict[str, torch.Tensor]], None]
 
 
 def token_stats_fn(temperature: float, with_entropy: bool, vocab_size: int | None = None,
@@ -40,10 +44,11 @@ def token_stats_fn(temperature: float, with_entropy: bool, vocab_size: int | Non
 
 
 def rl_loss_fn(algorithm: RLAlgorithm, *, phase: Phase, normalisers: tuple[float, float], temperature: float,
-               vocab_size: int | None = None) -> LossFn:
+               vocab_size: int | None = None, observe: LossObserver | None = None) -> LossFn:
     """The algorithm's loss of one update's micro-batches (each carries `loss_inputs`) in `phase`, with the update's
     DP-global (pg, entropy) normalisers. With `LossInputs.measure_mismatch` the metrics also hold mismatch_sum /
-    mismatch_count (the engine-vs-trainer mismatch measured on the training forward itself, no extra pass)."""
+    mismatch_count (the engine-vs-trainer mismatch measured on the training forward itself, no extra pass).
+    `observe(output, mb, loss, metrics)`: called with each micro-batch's result (the trainer's observers)."""
 
     def loss_fn(output: LastStageOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         x = mb.loss_inputs
@@ -58,6 +63,8 @@ def rl_loss_fn(algorithm: RLAlgorithm, *, phase: Phase, normalisers: tuple[float
             fresh = mb.loss_mask.bool() & ~x.replay.bool()
             total, count = mult_prob_error_sums(x.behaviour_logprobs, logp.detach(), fresh)
             metrics = {**metrics, "mismatch_sum": total, "mismatch_count": count}
+        if observe is not None:
+            observe(output, mb, loss, metrics)
         return loss, metrics
 
     return loss_fn

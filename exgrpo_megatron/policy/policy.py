@@ -67,6 +67,8 @@ class Policy:
         # megatron's local DotProductAttention is given the causal mask; sdpa and TE take None (causal kernel)
         self.use_mask = resolve_layer_spec(cfg.model) == "local" and cfg.model.core_attention == "megatron"
         self.tokens_run = self.padding_run = 0  # token slots through the model / of them padding, since taken
+        # called with (micro_batches, forward_only) before every pass (the trainer's observers: step_observer.py)
+        self.pass_observers: list[Callable[[list[MicroBatch], bool], None]] = []
         tcfg = self.modules[0].config
         tcfg.variable_seq_lengths = True  # micro-batches differ in length and rows
         ddp_cfg = DistributedDataParallelConfig(
@@ -151,6 +153,8 @@ class Policy:
         micro-batch on every pipeline stage (broadcast from the last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        for observe in self.pass_observers:
+            observe(micro_batches, forward_only)
         device = next(self.modules[0].parameters()).device
         micro_batches = [mb.to(device) for mb in micro_batches]
         self.tokens_run += sum(mb.tokens.numel() for mb in micro_batches)
