@@ -3,7 +3,8 @@
 A `StepObserver` overrides the hooks it needs (all do nothing here); `StepObservers` calls every observer's hook in
 order, with the step number. Observers receive the trainer's own objects: they look, they do not steer (mutating
 what they receive changes the run). Tests and benches observe a run through these hooks instead of replacing the
-trainer's functions.
+trainer's functions. Generating ahead (`rollout.max_staleness` > 0) the generator process plans and generates, so
+`planned` and `generated` are not called there.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class StepObserver:
 
     def started(self, c: Components) -> None:
         """The run's components are built (before a checkpoint is resumed)."""
+
+    def step_started(self, step: int) -> None:
+        """A step begins (nothing of it has run)."""
 
     def planned(self, step: int, groups: list[QuestionGroup]) -> None:
         """The step's global batch of question groups (replays: the trajectory the pool chose, still stored)."""
@@ -76,6 +80,8 @@ class StepObservers:
 
     def begin(self, step: int) -> None:
         self.step = step
+        for o in self.observers:
+            o.step_started(step)
 
     def started(self, c: Components) -> None:
         for o in self.observers:

@@ -29,6 +29,9 @@ class Recorder(StepObserver):
         self.calls.append((0, "started"))
         self.algorithm = c.algorithm.name
 
+    def step_started(self, step) -> None:
+        self._at(step, "step_started")
+
     def planned(self, step, groups) -> None:
         self._at(step, "planned")["planned"] = len(groups)
 
@@ -76,11 +79,11 @@ def test_an_observer_receives_every_verbs_result_as_logged(tmp_path):
     got = run_on_ranks(_train_observed, 1, args=(_overrides(str(tmp_path / "obs"), extra=(
         f"trainer.total_steps={STEPS}", "algo.old_logprobs=recompute")),))[0]
     assert got["algorithm"] == "exgrpo" and got["calls"][0] == (0, "started")
-    order = ["planned", "generated", "rolled_out", "rows_built", "batch_ready", "update_started", "updated",
-             "step_finished"]
+    order = ["step_started", "planned", "generated", "rolled_out", "rows_built", "batch_ready", "update_started",
+             "updated", "step_finished"]
     for step in range(1, STEPS + 1):
         hooks = [h for s, h in got["calls"] if s == step and h not in ("policy_pass", "loss_computed")]
-        assert [h for h in order if h in hooks] == order and hooks.index("planned") == 0, hooks
+        assert [h for h in order if h in hooks] == order and hooks.index("step_started") == 0, hooks
         assert hooks[-1] == "step_finished"
         rec, logged = got["steps"][step], got["logged"][step - 1]
         assert rec["planned"] == BATCH and rec["generated"] == [K] * BATCH and rec["groups"] == BATCH
