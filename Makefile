@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test lint bench clean venv-vllm test-vllm smollm2 venv-trl
+.PHONY: venv demo test lint bench clean venv-vllm test-vllm smollm2 venv-trl gpu-wheels
 
 $(STAMP): setup.py constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,3 +83,15 @@ $(TRL_STAMP): setup.py constraints-cpu.txt
 	touch $(TRL_STAMP)
 
 venv-trl: $(TRL_STAMP)
+
+# Wheels for the GPU check pack (tools/gpu_check.sh) on an offline GPU box whose Python (GPU_PYTHON, 3.12 by default)
+# already has torch + CUDA, transformers and safetensors: what the project needs beside those, in .gpu_wheels/.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := megatron-core==0.16.1 hydra-core==1.3.8 omegaconf==2.3.1 math-verify==0.9.0 latex2sympy2_extended==1.11.0
+
+gpu-wheels: $(STAMP)
+	mkdir -p .gpu_wheels
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .gpu_wheels $(GPU_WHEELS)
+	# antlr4's runtime (math-verify's parser) is published as source only: build its pure-Python wheel here.
+	$(PIP) wheel -q --no-deps -w .gpu_wheels antlr4-python3-runtime==4.9.3

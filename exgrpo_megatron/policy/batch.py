@@ -185,9 +185,11 @@ def forward_inputs(mb: MicroBatch, causal_mask: bool) -> dict[str, Any]:
 
 def scatter_rows(per_micro: list[torch.Tensor], micro_batches: list[MicroBatch],
                  lengths: list[int], prompt_lengths: list[int]) -> list[torch.Tensor]:
-    """Inverse of `collate` for one per-token quantity: response-token values per original row."""
+    """Inverse of `collate` for one per-token quantity: response-token values per original row, on the host (rows
+    live on the CPU; `place` puts them into micro-batches there, which move to the model's device as a whole)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(lengths)
     for values, mb in zip(per_micro, micro_batches, strict=True):
+        values = values.cpu()  # one copy per micro-batch; on a GPU, pi_old recomputed there failed in `place`
         for b, i in enumerate(mb.rows):
             p, n = prompt_lengths[i], lengths[i]
             r, c = mb.row_start(b)
