@@ -38,7 +38,7 @@ def _algorithm(overrides: tuple[str, ...]):
     return build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
 
 
-def problem(seed: int = 3, n: int = 9, hidden: int = 4, vocab: int = 6) -> dict:
+def problem(seed: int = 6, n: int = 9, hidden: int = 4, vocab: int = 6, step: float = 0.05) -> dict:
     """n sequences (prompt + response token ids; the ids only set lengths), per response token a feature x and a
     target y; pi_old from W0, the current policy W; rows 2 and 5 replayed with recorded log-probs `beh`."""
     g = torch.Generator().manual_seed(seed)
@@ -53,7 +53,7 @@ def problem(seed: int = 3, n: int = 9, hidden: int = 4, vocab: int = 6) -> dict:
                 beh=[o + 0.5 * torch.randn(o.shape, generator=g, dtype=torch.float64) for o in old],
                 adv=torch.randn(n, generator=g, dtype=torch.float64).tolist(),
                 replay=[i in (2, 5) for i in range(n)],
-                w=w0 + 0.25 * torch.randn(hidden, vocab, generator=g, dtype=torch.float64))
+                w=w0 + step * torch.randn(hidden, vocab, generator=g, dtype=torch.float64))
 
 
 # ------------------------------------------------------------------------------ independent float64 references
@@ -83,7 +83,7 @@ def reference(p: dict, arm: str, w: torch.Tensor) -> torch.Tensor:
 
 
 def reference_loss_grad(p: dict, arm: str) -> tuple[float, torch.Tensor, list[bool]]:
-    """(loss, dloss/dW, which fresh sequences the clip binds on) of the reference."""
+    """(loss, dloss/dW, which sequences the clip binds on: the clipped branch is the larger) of the reference."""
     w = p["w"].clone().requires_grad_(True)
     loss = reference(p, arm, w)
     loss.backward()
@@ -91,8 +91,8 @@ def reference_loss_grad(p: dict, arm: str) -> tuple[float, torch.Tensor, list[bo
     with torch.no_grad():
         for i in range(len(p["rlens"])):
             logp = torch.log_softmax(p["xs"][i] @ p["w"], -1).gather(-1, p["ys"][i][:, None])[:, 0]
-            s = math.exp(float((logp - p["old"][i]).mean()))
-            clipped.append(not 1 - CLIP_LOW <= s <= 1 + CLIP_HIGH)
+            s, a = math.exp(float((logp - p["old"][i]).mean())), p["adv"][i]
+            clipped.append(-a * min(max(s, 1 - CLIP_LOW), 1 + CLIP_HIGH) > -a * s)
     return float(loss), w.grad, clipped
 
 
@@ -175,6 +175,14 @@ def test_sequence_ratio_equals_the_float64_reference_padded_and_packed_at_dp2(dp
         fresh = [c for c, r in zip(clipped, ref_p["replay"], strict=True) if not r]
         assert any(fresh) and not all(fresh), clipped
     assert ref_grad.abs().sum() > 0
+    # the packed layout can tell a per-row ratio from a per-sequence one: rows of >= 2 sequences, one unclipped
+    rows = [i for i in range(len(p["rlens"])) if arm != "gspo" or not p["replay"][i]]
+    unclipped = {i: not c for i, c in zip(rows, clipped, strict=True)}
+    per_rank = [[i for i in range(len(p["rlens"]))[r::2] if i in unclipped] for r in (0, 1)]  # as _dp2_worker
+    sensitive = [mb.rows for mine in per_rank for mb in make_micro_batches(p["sequences"], p["plens"], mine,
+                                                                           MAX_TOKENS, True)
+                 if len(mb.rows) >= 2 and any(unclipped[i] for i in mb.rows)]
+    assert len(sensitive) >= 2, sensitive
     for packed in (False, True):
         loss, grad, n_mb, seqs_per_row = got[(arm, packed, False)]
         assert n_mb >= 2 and (seqs_per_row >= 2 if packed else seqs_per_row == 1), (n_mb, seqs_per_row)
