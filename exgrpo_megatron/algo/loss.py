@@ -45,6 +45,11 @@ Aggregation modes:
     With loss_seqs_per_rank_ref = 1 this mode is the older sum / (T_max * N_seq) (64x smaller pg at the paper
     layout).
   token_mean: pg_normaliser = number of valid tokens in the global mini-batch (loss_seqs_per_rank_ref unused).
+  seq_mean: sum_i (mean_{t in i} l) / N_seq (every sequence weighs the same; GSPO's), `aggregate` over the micro-batch's
+    `Sequences` (packed rows hold several sequences).
+
+Other parts (not ExGRPO's defaults): the clip range may be asymmetric, [1 - clip_ratio, 1 + clip_ratio_high] (DAPO's
+clip-higher); the fresh tokens' ratio may be GSPO's sequence ratio (`sequence_log_ratio`).
 
 Entropy bonus (both modes): entropy_normaliser = global valid tokens / M_ref, i.e. the bonus is
     c * M_ref * (global token mean of H),   M_ref = `algo.entropy_microbatches_ref`.
