@@ -17,7 +17,7 @@ A switch whose key the config does not have (its branch not merged yet) is left 
 Per step (from the trainer's metrics.jsonl): time/generate (incl. batch composition and the selection pass),
 time/reward (grading not overlapped with generation), time/old_logprobs, time/refit, the updates
 (time/train - old log-probs - refit) and the train phase (time/train = old log-probs + updates + refit);
-counted by a wrapper around Policy.forward_backward: sequences through the policy per rollout sample
+counted by a step observer of every pass through the policy: sequences through the policy per rollout sample
 ("forward passes per sample": selection + old log-probs + updates, a fwd+bwd counts once) and real vs padded
 tokens (a row's real tokens = last response target + 2, so packed rows count as real). Step 1 (no replay yet,
 allocator warm-up) is left out of the means. Reward and the mismatch metric are reported to check that both arms
@@ -76,47 +76,44 @@ def present_switches() -> tuple[list[tuple[str, object]], list[str]]:
 
 
 # ------------------------------------------------------------------------------------------------ worker
-def _count_passes(counts: dict) -> None:
+def _pass_counter(per_step: list[dict]):
+    """A step observer counting, per step, the sequences and token slots of every pass through the policy."""
     import torch
 
-    from exgrpo_megatron.policy.policy import Policy
+    from exgrpo_megatron.step_observer import StepObserver
 
-    original = Policy.forward_backward
+    class CountPasses(StepObserver):
+        def __init__(self) -> None:
+            self.counts: dict = {}
 
-    def forward_backward(self, micro_batches, loss_fn, forward_only=False):
-        kind = "forward_only" if forward_only else "train"
-        for mb in micro_batches:
-            mask = mb.loss_mask.bool()
-            idx = torch.arange(mask.shape[1]).expand_as(mask)
-            real = (torch.where(mask, idx, torch.full_like(idx, -2)).max(dim=1).values + 2).clamp(min=0)
-            c = counts.setdefault(kind, {"sequences": 0, "real_tokens": 0, "padded_tokens": 0})
-            c["sequences"] += len(mb.rows)
-            c["real_tokens"] += int(real.sum())
-            c["padded_tokens"] += int(mb.tokens.numel())
-        return original(self, micro_batches, loss_fn, forward_only=forward_only)
+        def step_started(self, step) -> None:
+            self.counts.clear()
 
-    Policy.forward_backward = forward_backward
+        def policy_pass(self, step, micro_batches, forward_only) -> None:
+            kind = "forward_only" if forward_only else "train"
+            for mb in micro_batches:
+                mask = mb.loss_mask.bool()
+                idx = torch.arange(mask.shape[1]).expand_as(mask)
+                real = (torch.where(mask, idx, torch.full_like(idx, -2)).max(dim=1).values + 2).clamp(min=0)
+                c = self.counts.setdefault(kind, {"sequences": 0, "real_tokens": 0, "padded_tokens": 0})
+                c["sequences"] += len(mb.rows)
+                c["real_tokens"] += int(real.sum())
+                c["padded_tokens"] += int(mb.tokens.numel())
+
+        def step_finished(self, step, metrics) -> None:
+            per_step.append({k: dict(v) for k, v in self.counts.items()})
+
+    return CountPasses()
 
 
 def worker(overrides: list[str], out_path: str) -> None:
-    import exgrpo_megatron.trainer as trainer
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.logging import read_metrics
+    from exgrpo_megatron.trainer import run_training
 
     cfg = load_config("demo_cpu", overrides)
-    counts: dict = {}
     per_step: list[dict] = []
-    _count_passes(counts)
-    original = trainer.train_step
-
-    def train_step(c, state, step):
-        counts.clear()
-        out = original(c, state, step)
-        per_step.append({k: dict(v) for k, v in counts.items()})
-        return out
-
-    trainer.train_step = train_step
-    assert trainer.run_training(cfg) == 0
+    assert run_training(cfg, observers=[_pass_counter(per_step)]) == 0
     metrics = read_metrics(os.path.join(cfg.logging.run_dir, "metrics.jsonl"))
     samples = cfg.trainer.train_batch_size * cfg.rollout.n
     with open(out_path, "w") as f:

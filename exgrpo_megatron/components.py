@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from exgrpo_megatron.algo.protocol import RLAlgorithm
@@ -26,6 +26,7 @@ from exgrpo_megatron.reward.answer_check import require_parsable_answers
 from exgrpo_megatron.reward.grader import GraderPool
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
 from exgrpo_megatron.rollout_service import RolloutService
+from exgrpo_megatron.step_observer import StepObservers
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Components:
     settings: StepSettings
     old_logprobs: str = "recompute"  # algo.old_logprobs resolved: rollout | training_forward | recompute
     dp_group: Any = None  # the data-parallel gloo group (CPU collectives), None with one DP rank
+    observers: StepObservers = field(default_factory=StepObservers)  # run_training's observers (step_observer.py)
 
     def close(self) -> None:
         """Stop the processes this rank started (the grader's workers)."""

@@ -6,12 +6,15 @@
 
 Every rank runs this loop (SPMD). The step plan is identical on all ranks; each DP rank works on
 its share of the groups, and every TP/PP rank of a replica sees identical data. The phase (warm-up ->
-collecting -> mixed) is `c.schedule`'s; the algorithm (`c.algorithm`, `algo.name`) owns the loss.
+collecting -> mixed) is `c.schedule`'s; the algorithm (`c.algorithm`, `algo.name`) owns the loss. Observers
+(`run_training(cfg, observers=[...])`, step_observer.py) receive what each verb produced.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 
@@ -54,6 +57,7 @@ from exgrpo_megatron.step_metrics import (
     rollout_sums,
     step_summary,
 )
+from exgrpo_megatron.step_observer import StepObserver, StepObservers
 
 
 def train_step(c: Components, state: RunState, step: int) -> dict[str, float | str]:
@@ -64,6 +68,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float | s
     phase = c.schedule.phase
     timer = StepTimer()
     groups = plan_step(c, step, phase)
+    c.observers.planned(groups)
     mine = local_groups(groups, c.layout.dp_rank, c.layout.dp_size)
     generated = generate(c, mine, step)
     timer.lap("generate")
@@ -109,8 +114,11 @@ def train_step_ahead(c: Components, ahead: AheadGeneration, state: RunState, ste
 def train_on(c: Components, state: RunState, rollouts: StepRollouts, phase: Phase, timer: StepTimer) -> TrainMetrics:
     """rows -> pi_old -> the updates (the run's count of consecutive skipped updates moves on); returns what this
     rank measured."""
+    c.observers.rolled_out(rollouts)
     rows = build_rollout_rows(rollouts.samples, rollouts.rewards, c.algorithm.advantages)
+    c.observers.rows_built(rows)
     batch, forward_rows = with_old_logprobs(c, rows, rollouts.groups)
+    c.observers.batch_ready(batch)
     mismatch = recomputed_mismatch(c, batch)
     timer.lap("old_logprobs")
     updates = update_policy(c, batch, len(rollouts.groups), phase)
@@ -170,7 +178,10 @@ def generate(c: Components, mine: list[QuestionGroup], step: int, refill_round: 
     """K samples per fresh question, K-1 + the stored trajectory per replayed one, graded as they finish
     (rollout_service.py)."""
     s = c.settings
-    return c.rollout.training_round(mine, s.group_size, s.sampling, s.seed, step, refill_round)
+    generated = c.rollout.training_round(mine, s.group_size, s.sampling, s.seed, step, refill_round)
+    if c.observers:  # the samples exist once generation is done (grading may still run)
+        c.observers.generated(mine, generated.samples)
+    return generated
 
 
 def refill_dropped_groups(c: Components, first: StepRollouts, step: int) -> StepRollouts:
@@ -216,13 +227,17 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase)
         counts = global_loss_counts([batch.response_lengths[i] for i in rows], c.dp_group)
         mbs = micro_batches_for_update(batch, rows, s.micro_batch_max_tokens, packed=s.sequence_packing,
                                        measure_mismatch=c.old_logprobs != "recompute" and u == 0)
-        loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=c.algorithm.normalisers(*counts),
-                             temperature=s.sampling.temperature, vocab_size=s.vocab_size)
+        normalisers = c.algorithm.normalisers(*counts)
+        c.observers.update_started(u, mbs, phase, normalisers)
+        observe = partial(c.observers.loss_computed, u) if c.observers else None
+        loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=normalisers, temperature=s.sampling.temperature,
+                             vocab_size=s.vocab_size, observe=observe)
         c.policy.zero_grad()
         metrics = c.policy.forward_backward(mbs, loss_fn) if mbs else []
         mismatch = pop_mismatch(metrics)
         loss_metrics = tuple({k: float(v) for k, v in m.items()} for m in metrics)
         updates.append(UpdateMetrics(c.policy.optimizer_step(s.skip_grad_bound), loss_metrics, mismatch))
+        c.observers.updated(u, updates[-1])
     return updates
 
 
@@ -250,10 +265,12 @@ def pool_outcomes(algorithm: RLAlgorithm, rollouts: StepRollouts, step: int, col
     return out
 
 
-def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None) -> int:
+def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
+                 observers: Sequence[StepObserver] = ()) -> int:
     """Train to `trainer.total_steps`; returns the process exit code (requeue code on preemption).
     `preemption`: the handler installed in start-up mode at process start (train.main), else one is here;
-    a signal during start-up raises PreemptedDuringStartup (distributed/preemption.py)."""
+    a signal during start-up raises PreemptedDuringStartup (distributed/preemption.py). `observers`: receive each
+    step's results (step_observer.py)."""
     preemption = preemption or PreemptionHandler().install(startup=True)
     p = cfg.parallel
     layout = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
@@ -263,6 +280,9 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None) -
     if layout.rank == 0:
         print(startup_block(cfg, layout), flush=True)
     c = build_components(cfg, layout)
+    c.observers = StepObservers(observers)
+    c.policy.pass_observers.append(c.observers.policy_pass)
+    c.observers.started(c)
     try:
         state = RunState.start(c, preemption)
     except BaseException:
@@ -270,10 +290,12 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None) -
         raise
     try:
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
+            c.observers.begin(step)
             metrics = train_step(c, state, step)
             if cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
                 metrics.update(state.validate(step))
             state.finish_step(step, metrics)
+            c.observers.step_finished(metrics)
             if state.consecutive_skips >= cfg.algo.max_consecutive_skips:
                 state.save(step)
                 print(f"exgrpo-train: stopping: {state.consecutive_skips} consecutive updates skipped "

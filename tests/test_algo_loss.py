@@ -10,14 +10,14 @@ import torch
 
 from exgrpo_megatron.algo.advantages import group_advantages
 from exgrpo_megatron.algo.loss import (
-    exgrpo_loss,
     global_loss_counts,
     loss_normalisers,
     select_replay_denominator_logprobs,
     shaped_ratio,
-    summarize_loss_metrics,
     token_mult_prob_error,
 )
+from exgrpo_megatron.algo.loss_metrics import declared_metrics, summarize_loss_metrics
+from exgrpo_megatron.algo.policy_loss import exgrpo_loss
 from exgrpo_megatron.policy.logprobs import vocab_parallel_logprobs_entropy
 from tests.helpers.multirank import run_on_ranks
 
@@ -162,9 +162,9 @@ def test_exgrpo_loss_matches_reference(mixed, mode):
         assert ref_metrics["clipped_token_count"] > 0  # the batch exercises the clip
     else:
         assert metrics["clipped_token_count"].item() == 0
-    summary = summarize_loss_metrics(metrics)
-    assert summary["entropy_mean"] == pytest.approx(ref_metrics["entropy_sum"] / ref_metrics["token_count"])
-    assert summary["replay_weight_max"] == pytest.approx(ref_metrics["replay_weight_max"])
+    summary = summarize_loss_metrics(declared_metrics(has_replay_term=True), metrics)
+    assert summary["entropy/mean"] == pytest.approx(ref_metrics["entropy_sum"] / ref_metrics["token_count"])
+    assert summary["replay/is_weight_max"] == pytest.approx(ref_metrics["replay_weight_max"])
 
 
 def test_warmup_clip_zeroes_gradient_and_mixed_phase_does_not():
@@ -208,8 +208,9 @@ def test_loss_normalisers_and_counts():
     assert loss_normalisers(5, 2, "token_sum_constant", 8192) == (8192 * 2, 5)
     assert loss_normalisers(5, 2, "token_mean", 8192) == (5, 5)
     assert loss_normalisers(0, 0, "token_mean", 8192) == (1, 1)
+    assert loss_normalisers(5, 2, "seq_mean", 8192) == (2, 5)
     with pytest.raises(ValueError):
-        loss_normalisers(5, 2, "seq_mean", 8192)
+        loss_normalisers(5, 2, "sequence_sum", 8192)
 
 
 def test_select_replay_denominator_logprobs():

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from exgrpo_megatron.algo.policy_loss import LossBatch
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.algo.variants.dapo import DAPO
 from exgrpo_megatron.algo.variants.exgrpo import ExGRPO
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.experience.schedule import Phase
+from exgrpo_megatron.step_observer import StepObserver
 from tests.helpers.demo_digest import overrides, warm_start
 from tests.helpers.multirank import run_on_ranks
 
@@ -47,35 +49,33 @@ def sft_dir(tmp_path_factory) -> str:
     return str(d)
 
 
+class _Recorder(StepObserver):
+    """Each step's trained rewards / advantages and the graded groups (kept or dropped by the filter)."""
+
+    def __init__(self) -> None:
+        self.rec: dict = {"batches": [], "graded": []}
+
+    def started(self, c) -> None:
+        self.rec["c"] = c
+
+    def rolled_out(self, step, rollouts) -> None:
+        self.rec["graded"].append([(g.qid, r) for g, r in zip(rollouts.graded_groups, rollouts.graded_rewards,
+                                                               strict=True)])
+        self.rewards = rollouts.rewards
+
+    def rows_built(self, step, rows) -> None:
+        self.rec["batches"].append({"rewards": self.rewards, "advantages": rows.advantages,
+                                    "group_index": rows.group_index})
+
+
 def _train_recording(overrides_: list[str]) -> dict:
     """run_training on this rank, recording each step's trained rewards / advantages and the graded groups."""
-    import exgrpo_megatron.trainer as trainer
+    from exgrpo_megatron.trainer import run_training
 
-    rec: dict = {"batches": [], "graded": []}
-    originals = {n: getattr(trainer, n) for n in ("build_rollout_rows", "filter_and_refill", "build_components")}
-
-    def build_rollout_rows(samples, rewards, advantages):
-        batch = originals["build_rollout_rows"](samples, rewards, advantages)
-        rec["batches"].append({"rewards": rewards, "advantages": batch.advantages, "group_index": batch.group_index})
-        return batch
-
-    def filter_and_refill(*args, **kwargs):
-        got = originals["filter_and_refill"](*args, **kwargs)
-        rec["graded"].append([(g.qid, r) for g, r in zip(got.graded_groups, got.graded_rewards, strict=True)])
-        return got
-
-    def build_components(cfg, layout):
-        rec["c"] = originals["build_components"](cfg, layout)
-        return rec["c"]
-
-    trainer.build_rollout_rows, trainer.filter_and_refill = build_rollout_rows, filter_and_refill
-    trainer.build_components = build_components
-    try:
-        cfg = load_config("demo_cpu", overrides_)
-        assert trainer.run_training(cfg) == 0
-    finally:
-        for n, f in originals.items():
-            setattr(trainer, n, f)
+    recorder = _Recorder()
+    cfg = load_config("demo_cpu", overrides_)
+    assert run_training(cfg, observers=[recorder]) == 0
+    rec = recorder.rec
     c = rec.pop("c")
     rec["retired"] = sorted(c.pool.shard.retired) if c.pool is not None else None
     if c.layout.rank == 0:
@@ -99,8 +99,9 @@ def test_rloo_loss_equals_the_ppo_clip_reference():
     logp = old + 0.4 * torch.randn(3, 5, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
     adv = algo.advantages(torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.float64))[0]
-    loss, metrics = algo.loss(logp, None, mask, old_logprobs=old, behaviour_logprobs=old, advantages=adv,
-                              replay=torch.zeros(3), phase=Phase.WARMUP, normalisers=(7.0, 9.0))
+    batch = LossBatch.rows(logp, None, mask, old_logprobs=old, behaviour_logprobs=old, advantages=adv,
+                           replay=torch.zeros(3))
+    loss, metrics = algo.loss(batch, phase=Phase.WARMUP, normalisers=(7.0, 9.0))
     ref = _ppo_clip_reference(logp, old, adv.tolist(), mask, algo.clip_ratio, 7.0)
     assert float(loss) == pytest.approx(ref, rel=1e-12) and float(metrics["pg_loss"]) == pytest.approx(ref, rel=1e-12)
 

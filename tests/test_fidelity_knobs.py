@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from exgrpo_megatron.algo.loss import exgrpo_loss, select_replay_denominator_logprobs
+from exgrpo_megatron.algo.loss import select_replay_denominator_logprobs
+from exgrpo_megatron.algo.policy_loss import LossBatch, exgrpo_loss
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.components import build_pool
 from exgrpo_megatron.config.loader import load_config
@@ -308,9 +309,10 @@ def test_mixed_phase_clip_switch(clip):
 
     def grads(phase: Phase) -> list[float]:
         lp = (old + torch.tensor([[log_rho], [log_w]], dtype=torch.float64)).requires_grad_()
-        loss, _ = algo.loss(lp, None, torch.ones(2, 1, dtype=torch.float64), old_logprobs=old,
-                            behaviour_logprobs=old, advantages=torch.tensor([adv, adv], dtype=torch.float64),
-                            replay=replay, phase=phase, normalisers=(1.0, 1.0))
+        batch = LossBatch.rows(lp, None, torch.ones(2, 1, dtype=torch.float64), old_logprobs=old,
+                               behaviour_logprobs=old, advantages=torch.tensor([adv, adv], dtype=torch.float64),
+                               replay=replay)
+        loss, _ = algo.loss(batch, phase=phase, normalisers=(1.0, 1.0))
         return torch.autograd.grad(loss, lp)[0].flatten().tolist()
 
     w, beta = math.exp(log_w), cfg.algo.shaping_beta

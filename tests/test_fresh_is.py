@@ -9,13 +9,9 @@ import math
 import pytest
 import torch
 
-from exgrpo_megatron.algo.loss import (
-    exgrpo_loss,
-    global_loss_counts,
-    loss_normalisers,
-    summarize_loss_metrics,
-    truncated_is_weight,
-)
+from exgrpo_megatron.algo.loss import global_loss_counts, loss_normalisers, truncated_is_weight
+from exgrpo_megatron.algo.loss_metrics import declared_metrics, summarize_loss_metrics
+from exgrpo_megatron.algo.policy_loss import LossBatch, exgrpo_loss
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.experience.schedule import Phase
@@ -70,10 +66,10 @@ def test_loss_with_tis_matches_reference(mixed, mode):
     assert bool(b["replay"].any()) and not bool(b["replay"].all())
     for key, value in ref_metrics.items():
         assert metrics[key].item() == pytest.approx(value, rel=1e-12), key
-    summary = summarize_loss_metrics(metrics)
+    summary = summarize_loss_metrics(declared_metrics(has_replay_term=True), metrics)
     n = ref_metrics["fresh_token_count"]
-    assert summary["fresh_is_weight_mean"] == pytest.approx(ref_metrics["fresh_is_weight_sum"] / n, rel=1e-12)
-    assert summary["fresh_is_truncated_fraction"] == pytest.approx(ref_metrics["fresh_is_truncated_count"] / n)
+    assert summary["rollout/is_weight_mean"] == pytest.approx(ref_metrics["fresh_is_weight_sum"] / n, rel=1e-12)
+    assert summary["rollout/is_truncated_fraction"] == pytest.approx(ref_metrics["fresh_is_truncated_count"] / n)
     plain, _ = _run(b, mixed, mode)
     assert loss.item() != plain.item()
 
@@ -104,8 +100,9 @@ def test_cap_zero_is_the_weight_free_path_bitwise(name):
     for phase in (Phase.WARMUP, Phase.MIXED):
         lp = b["lp"].clone().requires_grad_(True)
         ent = b["ent"].clone().requires_grad_(True)
-        loss, metrics = algo.loss(lp, ent, b["mask"], old_logprobs=b["old"], behaviour_logprobs=b["gen"],
-                                  advantages=b["adv"], replay=replay, phase=phase, normalisers=(11.0, 13.0))
+        batch = LossBatch.rows(lp, ent, b["mask"], old_logprobs=b["old"], behaviour_logprobs=b["gen"],
+                               advantages=b["adv"], replay=replay)
+        loss, metrics = algo.loss(batch, phase=phase, normalisers=(11.0, 13.0))
         lp0 = b["lp"].clone().requires_grad_(True)
         ent0 = b["ent"].clone().requires_grad_(True)
         beh = algo.replay_denominator_logprobs(b["old"], b["gen"], replay) if name == "exgrpo" else b["old"]
@@ -126,12 +123,12 @@ def test_every_variant_weights_fresh_tokens_by_the_cap(name):
     replay = b["replay"] if name == "exgrpo" else torch.zeros_like(b["replay"])
     # ExGRPO's generation log-probs are the recorded behaviour log-probs on replayed rows
     gen = torch.where(replay[:, None], b["beh"], b["gen"])
-    args = dict(old_logprobs=b["old"], behaviour_logprobs=gen, advantages=b["adv"], replay=replay,
-                normalisers=(11.0, 13.0))
+    args = dict(old_logprobs=b["old"], behaviour_logprobs=gen, advantages=b["adv"], replay=replay)
     on, off = _build(name, CAP), _build(name, 0.0)
     for phase in (Phase.WARMUP, Phase.MIXED):
-        loss_on, metrics = on.loss(b["lp"], b["ent"], b["mask"], phase=phase, **args)
-        loss_off, _ = off.loss(b["lp"], b["ent"], b["mask"], phase=phase, **args)
+        batch = LossBatch.rows(b["lp"], b["ent"], b["mask"], **args)
+        loss_on, metrics = on.loss(batch, phase=phase, normalisers=(11.0, 13.0))
+        loss_off, _ = off.loss(batch, phase=phase, normalisers=(11.0, 13.0))
         ref_b = dict(b, replay=replay, beh=off.replay_denominator_logprobs(b["old"], gen, replay) if name == "exgrpo"
                      else b["old"])
         n_tok = float(b["mask"].sum())
@@ -149,8 +146,8 @@ def test_every_variant_weights_fresh_tokens_by_the_cap(name):
 def test_exgrpo_replayed_rows_keep_their_loss_under_the_cap():
     b = _batch(seed=13)
     replay = torch.ones_like(b["replay"])  # every row replayed: its generation log-probs are pi_past, not weighted
-    args = dict(old_logprobs=b["old"], behaviour_logprobs=b["beh"], advantages=b["adv"], replay=replay,
-                phase=Phase.MIXED, normalisers=(11.0, 13.0))
-    loss_on, metrics = _build("exgrpo", CAP).loss(b["lp"], b["ent"], b["mask"], **args)
-    loss_off, _ = _build("exgrpo", 0.0).loss(b["lp"], b["ent"], b["mask"], **args)
+    batch = LossBatch.rows(b["lp"], b["ent"], b["mask"], old_logprobs=b["old"], behaviour_logprobs=b["beh"],
+                           advantages=b["adv"], replay=replay)
+    loss_on, metrics = _build("exgrpo", CAP).loss(batch, phase=Phase.MIXED, normalisers=(11.0, 13.0))
+    loss_off, _ = _build("exgrpo", 0.0).loss(batch, phase=Phase.MIXED, normalisers=(11.0, 13.0))
     assert torch.equal(loss_on, loss_off) and float(metrics["fresh_is_truncated_count"]) == 0.0

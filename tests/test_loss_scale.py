@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exgrpo_megatron.algo.loss import exgrpo_loss, global_loss_counts, loss_normalisers
+from exgrpo_megatron.algo.loss import global_loss_counts, loss_normalisers
+from exgrpo_megatron.algo.policy_loss import exgrpo_loss
 from exgrpo_megatron.config.loader import load_config
 
 T_MAX = 64

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from exgrpo_megatron.algo.policy_loss import LossBatch, TruncatedISReplay
+from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.schema import ExperienceConfig
 from exgrpo_megatron.config.validate import config_errors
@@ -17,6 +19,7 @@ from exgrpo_megatron.data.datasets import DatasetStats, PromptDataset, PromptExa
 from exgrpo_megatron.data.sampler import PromptSampler
 from exgrpo_megatron.data.step_plan import compose_step, local_groups
 from exgrpo_megatron.experience import GroupOutcome, ShardedExperiencePool
+from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.rollout.types import Sample
 from exgrpo_megatron.step_metrics import generation_sums
 from tests.test_algo_loss import random_batch, ref_token_loss, run_loss
@@ -75,6 +78,24 @@ def test_replay_tis_cap_zero_is_the_shaped_term_bitwise():
     a, _ = run_loss(b, True, "token_sum_constant")
     c, _ = run_loss(b, True, "token_sum_constant", replay_tis_cap=0.0)
     assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("phase", [Phase.WARMUP, Phase.MIXED])
+def test_exgrpo_selects_the_truncated_is_replay_term_by_its_cap(phase):
+    """The algorithm's own loss (GroupRelative.loss over ExGRPO.replay_term) with algo.replay_tis_cap > 0 is the
+    float64 reference of the truncated-IS term, not the shaped one."""
+    cfg = load_config("demo_cpu", ["algo.name=exgrpo", "algo.policy_shaping=false", f"algo.replay_tis_cap={CAP}",
+                                   "algo.fresh_is_cap=0", "algo.entropy_coeff=0.001", "algo.clip_ratio=0.2",
+                                   "algo.replay_is_correction=true"])
+    algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    assert isinstance(algorithm.replay_term, TruncatedISReplay)
+    b = random_batch(7)
+    batch = LossBatch.rows(b["lp"], b["ent"], b["mask"], old_logprobs=b["old"], behaviour_logprobs=b["beh"],
+                           advantages=b["adv"], replay=b["replay"])
+    n_tok, n_seq = float(b["mask"].sum()), float((b["mask"].sum(1) > 0).sum())
+    loss, _ = algorithm.loss(batch, phase=phase, normalisers=(16 * n_seq, n_tok))
+    want, _ = ref_tis_loss(b, phase is Phase.MIXED, "token_sum_constant", CAP)
+    assert float(loss) == pytest.approx(want, rel=1e-12, abs=1e-14)
 
 
 # ---------------------------------------------------------------- admission and retirement

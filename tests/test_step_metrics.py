@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from exgrpo_megatron.algo.loss import metric_reduce_op
+from exgrpo_megatron.algo.loss_metrics import metric_reduce_op
 from exgrpo_megatron.policy.policy import UpdateResult
 from exgrpo_megatron.policy.train_batch import RolloutRows
 from exgrpo_megatron.step_metrics import (

@@ -83,27 +83,21 @@ def _metrics(run_dir: str) -> list[dict]:
 # ------------------------------------------------------------------------------------------- DP=2 sharding
 def _train_dp_keeping_pool(overrides: list[str]) -> dict:
     """run_training, keeping this rank's Components to report its pool shard and its groups per step."""
-    import exgrpo_megatron.rollout_service as service
-    import exgrpo_megatron.trainer as trainer
+    from exgrpo_megatron.step_observer import StepObserver
+    from exgrpo_megatron.trainer import run_training
 
     kept: dict = {}
     groups_seen: list[list[int]] = []
 
-    def build(original):
-        def wrapper(cfg, layout):
-            kept["c"] = original(cfg, layout)
-            return kept["c"]
-        return wrapper
+    class Keep(StepObserver):
+        def started(self, c) -> None:
+            kept["c"] = c
 
-    def generate(original):
-        def wrapper(engine, groups, *args, **kwargs):
+        def generated(self, step, groups, samples) -> None:
             groups_seen.append([g.qid for g in groups])
-            return original(engine, groups, *args, **kwargs)
-        return wrapper
 
     cfg = load_config("demo_cpu", overrides)
-    with _spy(trainer, "build_components", build), _spy(service, "generate_groups", generate):
-        assert trainer.run_training(cfg) == 0
+    assert run_training(cfg, observers=[Keep()]) == 0
     pool = kept["c"].pool
     shard = pool.shard
     return {
@@ -168,67 +162,47 @@ def _reference_logprobs(output, labels: torch.Tensor, vocab_size: int, temperatu
 
 
 def _train_recording_replay(overrides: list[str]) -> dict:
-    """run_training (DP=1) with spies on the pool draw, the groups, the rollout batch and every loss call."""
-    import exgrpo_megatron.rollout_service as service
-    import exgrpo_megatron.trainer as trainer
+    """run_training (DP=1) observing the pool's draws (the planned replays), the groups, the rollout batch and every
+    loss call."""
+    from exgrpo_megatron.step_observer import StepObserver
+    from exgrpo_megatron.trainer import run_training
 
     cfg = load_config("demo_cpu", overrides)
     steps: dict[int, dict] = {}
-    now: dict = {}
 
-    def train_step(original):
-        def wrapper(c, state, step):
-            now["step"] = steps.setdefault(step, {"choices": [], "groups": [], "samples": [], "calls": []})
-            if "spied" not in now:  # the pool draw: which stored trajectory was chosen, and is it in the pool?
-                now["spied"] = sample = c.pool.sample
+    class Record(StepObserver):
+        def started(self, c) -> None:
+            self.c = c
 
-                def draw(n, seed, scorer=None):
-                    out = sample(n, seed, scorer)
-                    now["step"]["choices"] += [
-                        (ch.qid, ch.trajectory.token_ids.copy(), ch.trajectory.logprobs.copy(),
-                         any(t.same_tokens(ch.trajectory) for t in c.pool.shard.candidates(ch.qid)))
-                        for ch in out]
-                    return out
-                c.pool.sample = draw
-            return original(c, state, step)
-        return wrapper
+        def planned(self, step, groups) -> None:  # which stored trajectory was drawn, and is it in the pool?
+            pool = self.c.pool
+            steps[step] = {"groups": [], "samples": [], "calls": [], "choices": [
+                (g.qid, g.replay.token_ids.copy(), g.replay.logprobs.copy(),
+                 any(t.same_tokens(g.replay) for t in pool.shard.candidates(g.qid)))
+                for g in groups if g.replay is not None]}
 
-    def generate(original):
-        def wrapper(engine, groups, *args, **kwargs):
-            out = original(engine, groups, *args, **kwargs)
-            now["step"]["groups"] = [(g.qid, None if g.replay is None else g.replay.token_ids.tolist(),
+        def generated(self, step, groups, samples) -> None:
+            steps[step]["groups"] = [(g.qid, None if g.replay is None else g.replay.token_ids.tolist(),
                                       None if g.replay is None else g.replay.logprobs.tolist()) for g in groups]
-            now["step"]["samples"] = [[(list(s.response_ids), list(s.logprobs), s.is_replay) for s in grp]
-                                      for grp in out]
-            return out
-        return wrapper
+            steps[step]["samples"] = [[(list(s.response_ids), list(s.logprobs), s.is_replay) for s in grp]
+                                      for grp in samples]
 
-    def rollout_batch(original):
-        def wrapper(*args, **kwargs):
-            now["step"]["batch"] = batch = original(*args, **kwargs)
-            return batch
-        return wrapper
+        def rows_built(self, step, rows) -> None:
+            steps[step]["batch"] = rows
 
-    def loss_factory(original):
-        def factory(algorithm, **kw):
-            inner = original(algorithm, **kw)
-            used = {"mixed_phase": not algorithm.clips(kw["phase"]), "shaping_beta": algorithm.shaping_beta,
-                    "pg_normaliser": kw["normalisers"][0]}
+        def update_started(self, step, update, micro_batches, phase, normalisers) -> None:
+            algorithm = self.c.algorithm
+            self.used = {"mixed_phase": not algorithm.clips(phase), "shaping_beta": algorithm.shaping_beta,
+                         "pg_normaliser": normalisers[0]}
 
-            def loss_fn(output, mb):
-                loss, metrics = inner(output, mb)
-                now["step"]["calls"].append({
-                    "kw": used, "rows": list(mb.rows), "starts": [mb.row_start(b) for b in range(len(mb.rows))],
-                    "mask": mb.loss_mask.detach().clone(), "old": mb.loss_inputs.old_logprobs.detach().clone(),
-                    "logp": _reference_logprobs(output, mb.labels, cfg.model.vocab_size, cfg.rollout.temperature),
-                    "metrics": {k: float(v) for k, v in metrics.items()}})
-                return loss, metrics
-            return loss_fn
-        return factory
+        def loss_computed(self, step, update, output, mb, loss, metrics) -> None:
+            steps[step]["calls"].append({
+                "kw": self.used, "rows": list(mb.rows), "starts": [mb.row_start(b) for b in range(len(mb.rows))],
+                "mask": mb.loss_mask.detach().clone(), "old": mb.loss_inputs.old_logprobs.detach().clone(),
+                "logp": _reference_logprobs(output, mb.labels, cfg.model.vocab_size, cfg.rollout.temperature),
+                "metrics": {k: float(v) for k, v in metrics.items()}})
 
-    with (_spy(trainer, "train_step", train_step), _spy(service, "generate_groups", generate),
-          _spy(trainer, "build_rollout_rows", rollout_batch), _spy(trainer, "rl_loss_fn", loss_factory)):
-        assert trainer.run_training(cfg) == 0
+    assert run_training(cfg, observers=[Record()]) == 0
     return {"steps": steps, "metrics": _metrics(cfg.logging.run_dir)}
 
 

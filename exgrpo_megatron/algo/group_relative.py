@@ -1,7 +1,8 @@
 """What the group-relative policy-gradient variants share (GRPO, ExGRPO and those built on them): their common
 settings (read from the config in one place, `shared_settings`), group-mean advantages, keep-every-group, the loss
-normalisers, the truncated importance weights of fresh tokens and the declared step metrics. A variant adds its
-own fields and overrides what it changes (algo/variants/)."""
+normalisers, the loss assembled from its parts (`loss_spec`: ratio, clip, aggregation, replay term;
+algo/policy_loss.py), the truncated importance weights of fresh tokens and the step metrics the loss declares. A
+variant adds its own fields and overrides what it changes (algo/variants/)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,11 @@ import torch
 from torch import Tensor
 
 from exgrpo_megatron.algo.advantages import group_advantages
-from exgrpo_megatron.algo.loss import (
-    TruncatedIS,
-    loss_normalisers,
-    metric_reduce_op,
-    summarize_loss_metrics,
-    truncated_is_weight,
-)
+from exgrpo_megatron.algo.loss import Clip, TruncatedIS, loss_normalisers, truncated_is_weight
+from exgrpo_megatron.algo.loss_metrics import StepMetric, declared_metrics, metric_reduce_op, summarize_loss_metrics
+from exgrpo_megatron.algo.policy_loss import LossBatch, LossSpec, ReplayTerm, ShapedReplay, policy_loss
 from exgrpo_megatron.config.schema import AlgoConfig
+from exgrpo_megatron.experience.schedule import Phase
 
 
 @dataclass(frozen=True)
@@ -29,7 +27,9 @@ class GroupRelative:
 
     name: str
     adv_std_normalize: bool
-    clip_ratio: float
+    ratio: str  # fresh tokens' importance ratio: token | sequence (GSPO)
+    clip_ratio: float  # the clip's low side: rho >= 1 - clip_ratio
+    clip_ratio_high: float  # its high side: rho <= 1 + clip_ratio_high (= clip_ratio: PPO; larger: DAPO clip-higher)
     entropy_coeff: float
     loss_agg_mode: str
     loss_seqs_per_rank_ref: float
@@ -41,7 +41,9 @@ class GroupRelative:
     @staticmethod
     def shared_settings(name: str, algo: AlgoConfig, max_response_length: int) -> dict[str, Any]:
         """The shared fields' values from the config (the one place they are read)."""
-        return dict(name=name, adv_std_normalize=algo.adv_std_normalize, clip_ratio=algo.clip_ratio,
+        high = algo.clip_ratio if algo.clip_ratio_high is None else algo.clip_ratio_high
+        return dict(name=name, adv_std_normalize=algo.adv_std_normalize, ratio=algo.ratio, clip_ratio=algo.clip_ratio,
+                    clip_ratio_high=high,
                     entropy_coeff=algo.entropy_coeff, loss_agg_mode=algo.loss_agg_mode,
                     loss_seqs_per_rank_ref=algo.loss_seqs_per_rank_ref,
                     entropy_microbatches_ref=algo.entropy_microbatches_ref, max_response_length=max_response_length,
@@ -59,6 +61,37 @@ class GroupRelative:
         return loss_normalisers(num_tokens_global, num_seqs_global, self.loss_agg_mode, self.max_response_length,
                                 self.loss_seqs_per_rank_ref, self.entropy_microbatches_ref)
 
+    def clips(self, phase: Phase) -> bool:
+        """The clip on fresh tokens in `phase` (on-policy variants: always)."""
+        return True
+
+    @property
+    def replay_term(self) -> ReplayTerm | None:
+        """The replay term. The on-policy variants keep ExGRPO's default one although no replayed row reaches them
+        (their loss and step metrics stay those of ExGRPO's warm-up, replay metrics 0, for side-by-side runs); None:
+        a loss without one."""
+        return ShapedReplay()
+
+    def replay_denominator_logprobs(self, old_logprobs: Tensor, behaviour_logprobs: Tensor, replay: Tensor) -> Tensor:
+        """The replay ratio's denominator (on-policy variants: pi_old)."""
+        return old_logprobs
+
+    def loss_spec(self, phase: Phase) -> LossSpec:
+        """The parts of the loss in `phase`."""
+        clip = Clip(self.clip_ratio, self.clip_ratio_high) if self.clips(phase) else None
+        return LossSpec(ratio=self.ratio, clip=clip, aggregation=self.loss_agg_mode, replay=self.replay_term,
+                        entropy_coeff=self.entropy_coeff)
+
+    def loss(self, batch: LossBatch, *, phase: Phase, normalisers: tuple[float, float]
+             ) -> tuple[Tensor, dict[str, Tensor]]:
+        """`policy_loss` of `loss_spec(phase)`; fresh tokens weighted by truncated IS against the engine's log-probs
+        with `algo.fresh_is_cap` > 0."""
+        spec = self.loss_spec(phase)
+        denominator = None if spec.replay is None else self.replay_denominator_logprobs(
+            batch.old_logprobs, batch.behaviour_logprobs, batch.replay)
+        return policy_loss(batch, spec, normalisers, replay_denominator=denominator,
+                           fresh_is=self.fresh_is_weights(batch.old_logprobs, batch.behaviour_logprobs, batch.replay))
+
     def fresh_is_weights(self, old_logprobs: Tensor, behaviour_logprobs: Tensor, replay: Tensor
                          ) -> TruncatedIS | None:
         """Truncated IS weights of fresh tokens, min(exp(logp_old - logp_behaviour), fresh_is_cap)
@@ -74,19 +107,11 @@ class GroupRelative:
     def metric_reduce_op(self, key: str) -> str:
         return metric_reduce_op(key)
 
+    @property
+    def declared_metrics(self) -> tuple[StepMetric, ...]:
+        """The step metrics its loss returns the terms of."""
+        return declared_metrics(self.replay_term is not None)
+
     def step_metrics(self, reduced: dict[str, float]) -> dict[str, float]:
         """The declared metrics from the loss metrics reduced over the step (0.0 when no update ran a loss)."""
-        loss = summarize_loss_metrics(reduced) if "pg_loss" in reduced else {}
-        return {
-            "loss/policy": loss.get("pg_loss", 0.0),
-            "loss/entropy_bonus": loss.get("entropy_bonus", 0.0),
-            "entropy/mean": loss.get("entropy_mean", 0.0),
-            "replay/is_weight_mean": loss.get("replay_weight_mean", 0.0),
-            "replay/is_weight_max": loss.get("replay_weight_max", 0.0),
-            "replay/shaped_weight_mean": loss.get("replay_shaped_weight_mean", 0.0),
-            "replay/token_fraction": loss.get("replay_token_fraction", 0.0),
-            "loss/clip_fraction": loss.get("clip_fraction", 0.0),
-            "loss/approx_kl": loss.get("approx_kl", 0.0),
-            "rollout/is_weight_mean": loss.get("fresh_is_weight_mean", 0.0),
-            "rollout/is_truncated_fraction": loss.get("fresh_is_truncated_fraction", 0.0),
-        }
+        return summarize_loss_metrics(self.declared_metrics, reduced)

@@ -1,4 +1,8 @@
-"""The ExGRPO policy loss: pure per-token functions plus a DP- and micro-batch-invariant aggregation.
+"""The parts a policy-gradient loss is assembled from, each a small pure function, and the DP- and
+micro-batch-invariant normalisers: the ratio (`log_ratio`: token | sequence), the clip (`Clip`, `clipped_surrogate`),
+the replay term (`replay_token_loss`, or `replay_truncated_is_loss`), the fresh tokens' truncated IS
+(`truncated_is_weight`) and the aggregation (`aggregate`). algo/policy_loss.py assembles them; the formulas below are
+ExGRPO's, the default assembly.
 
 Sources: paper Eq. 3-4 and §D.1 (mixed-policy objective; clipping removed and policy shaping used in the
 mixed phase); docs/exgrpo.md (the code's `compute_token_on_off_policy_loss`). Notation per token t
@@ -45,6 +49,11 @@ Aggregation modes:
     With loss_seqs_per_rank_ref = 1 this mode is the older sum / (T_max * N_seq) (64x smaller pg at the paper
     layout).
   token_mean: pg_normaliser = number of valid tokens in the global mini-batch (loss_seqs_per_rank_ref unused).
+  seq_mean: sum_i (mean_{t in i} l) / N_seq (every sequence weighs the same; GSPO's), `aggregate` over the micro-batch's
+    `Sequences` (packed rows hold several sequences).
+
+Other parts (not ExGRPO's defaults): the clip range may be asymmetric, [1 - clip_ratio, 1 + clip_ratio_high] (DAPO's
+clip-higher); the fresh tokens' ratio may be GSPO's sequence ratio (`sequence_log_ratio`).
 
 Entropy bonus (both modes): entropy_normaliser = global valid tokens / M_ref, i.e. the bonus is
     c * M_ref * (global token mean of H),   M_ref = `algo.entropy_microbatches_ref`.
@@ -66,14 +75,16 @@ on the first mini-batch and f only shapes the ratio (paper Tab. 6, "w/o IS corre
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-LOSS_AGG_MODES = ("token_sum_constant", "token_mean")
+from exgrpo_megatron.algo.sequences import Sequences
+
+LOSS_AGG_MODES = ("token_sum_constant", "token_mean", "seq_mean")
 
 
 def loss_normalisers(
@@ -84,6 +95,7 @@ def loss_normalisers(
 
     token_sum_constant: (max_response_length * num_seqs_global / seqs_per_rank_ref, num_tokens_global / M_ref)
     token_mean:         (num_tokens_global, num_tokens_global / M_ref)
+    seq_mean:           (num_seqs_global, num_tokens_global / M_ref)  (`aggregate` takes each sequence's token mean)
     seqs_per_rank_ref = the original's sequences per rank per mini-batch at its layout (`algo.loss_seqs_per_rank_ref`,
     64 for the paper); M_ref = entropy_microbatches_ref, its dynamic micro-batches per rank (4; module docstring).
     Counts of zero are replaced by 1 so an empty batch gives a zero loss, not NaN.
@@ -101,6 +113,8 @@ def loss_normalisers(
         return pg_normaliser, entropy_normaliser
     if mode == "token_mean":
         return num_tokens, entropy_normaliser
+    if mode == "seq_mean":
+        return max(float(num_seqs_global), 1.0), entropy_normaliser
     raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
@@ -128,7 +142,7 @@ def select_replay_denominator_logprobs(
     replayed tokens when `replay_is_correction`, else this step's pi_theta_old everywhere (docs/exgrpo.md)."""
     if not replay_is_correction:
         return old_logprobs
-    return torch.where(_per_token(replay_mask, old_logprobs).bool(), behaviour_logprobs, old_logprobs)
+    return torch.where(per_token(replay_mask, old_logprobs).bool(), behaviour_logprobs, old_logprobs)
 
 
 def shaped_ratio(log_ratio: Tensor, beta: float) -> Tensor:
@@ -139,18 +153,55 @@ def shaped_ratio(log_ratio: Tensor, beta: float) -> Tensor:
     return torch.sigmoid(log_ratio - math.log(beta))
 
 
-def fresh_token_loss(
-    log_ratio: Tensor, advantages: Tensor, clip: bool, clip_ratio: float = 0.2
-) -> tuple[Tensor, Tensor]:
-    """Per-token loss of on-policy tokens and a bool mask of tokens where the clipped branch is active.
+RATIOS = ("token", "sequence")
 
-    rho = exp(log_ratio); clip=False: l = -A*rho; clip=True: l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps)).
+
+def token_log_ratio(logprobs: Tensor, denominator: Tensor, tokens: Tensor) -> Tensor:
+    """log rho_t = logp_t - logp_denominator_t on `tokens` (bool [B, T]), 0 elsewhere (never reaches exp())."""
+    return torch.where(tokens, logprobs - denominator, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
+
+
+def sequence_log_ratio(logprobs: Tensor, denominator: Tensor, tokens: Tensor, sequences: Sequences) -> Tensor:
+    """GSPO's sequence-level ratio (Zheng et al. 2025, "Group Sequence Policy Optimization", Eq. 7 and the
+    GSPO-token form, Eq. 13-14), per token:
+        log s_i = (1/|y_i|) sum_{t in y_i} (logp_t - logp_denominator_t)      (the geometric mean of token ratios)
+        log s_i,t = sg[log s_i] + logp_t - sg[logp_t]
+    so every token of sequence i carries the value s_i (a clip acts on the whole sequence) and d s_i,t = s_i d logp_t:
+    averaged over the sequence's tokens that is exactly d s_i. The mean runs over `tokens` of each sequence as
+    `sequences` names them (packed rows hold several sequences: a per-row mean would mix them); 0 off `tokens`."""
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    per_token = token_log_ratio(logprobs, denominator, tokens)
+    log_s = sequences.to_tokens(sequences.means(per_token, tokens))
+    return torch.where(tokens, log_s.detach() + logprobs - logprobs.detach(), zero)
+
+
+def log_ratio(kind: str, logprobs: Tensor, denominator: Tensor, tokens: Tensor, sequences: Sequences) -> Tensor:
+    """The ratio part: `token` (PPO / GRPO) or `sequence` (GSPO)."""
+    if kind == "token":
+        return token_log_ratio(logprobs, denominator, tokens)
+    if kind == "sequence":
+        return sequence_log_ratio(logprobs, denominator, tokens, sequences)
+    raise ValueError(f"unknown ratio {kind!r}; expected one of {RATIOS}")
+
+
+class Clip(NamedTuple):
+    """PPO's clip range of the ratio: [1 - low, 1 + high]. low == high is PPO's symmetric clip (eps = 0.2); high >
+    low is DAPO's clip-higher (Yu et al. 2025, §3.1: eps_low 0.2, eps_high 0.28)."""
+
+    low: float
+    high: float
+
+
+def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, clip: Clip | None) -> tuple[Tensor, Tensor]:
+    """Per-token loss and a bool mask of tokens where the clipped branch is active.
+
+    rho = exp(log_ratio); clip None: l = -A*rho; else l = max(-A*rho, -A*clip(rho, 1 - clip.low, 1 + clip.high)).
     """
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    if not clip:
+    if clip is None:
         return unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip.low, 1.0 + clip.high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
@@ -166,15 +217,15 @@ def replay_token_loss(log_w: Tensor, advantages: Tensor, beta: float = 0.1, shap
 
 
 def replay_truncated_is_loss(log_rho: Tensor, old_logprobs: Tensor, denominator_logprobs: Tensor, advantages: Tensor,
-                             cap: float, clip: bool, clip_ratio: float = 0.2) -> tuple[Tensor, Tensor]:
+                             cap: float, clip: Clip | None) -> tuple[Tensor, Tensor]:
     """Per-token loss of replayed tokens corrected by truncated IS instead of shaped (`algo.replay_tis_cap`):
-        l = u * fresh_token_loss(log_rho),  u = min(exp(logp_old - logp_denominator), cap)  detached,
-    log_rho = logp - logp_old; the denominator is the trajectory's recorded pi_past (`replay_is_correction`). The
-    product's gradient is u * the fresh-token gradient: pi_theta / pi_past truncated at cap * pi_theta / pi_old, the
-    truncated-IS estimator of Ionides 2008 as Yao et al. 2025 and slime's `--use-tis` apply it. Returns (loss, the
-    weight u)."""
+        l = u * clipped_surrogate(log_rho, A, clip),  u = min(exp(logp_old - logp_denominator), cap)  detached,
+    log_rho = the fresh tokens' ratio against pi_old and `clip` the phase's (the fresh-token loss); the denominator is
+    the trajectory's recorded pi_past (`replay_is_correction`). The product's gradient is u * the fresh-token
+    gradient: pi_theta / pi_past truncated at cap * pi_theta / pi_old, the truncated-IS estimator of Ionides 2008 as
+    Yao et al. 2025 and slime's `--use-tis` apply it. Returns (loss, the weight u)."""
     weight = truncated_is_weight(old_logprobs, denominator_logprobs, cap).weight
-    loss, _ = fresh_token_loss(log_rho, advantages, clip=clip, clip_ratio=clip_ratio)
+    loss, _ = clipped_surrogate(log_rho, advantages, clip)
     return loss * weight.to(loss.dtype), weight
 
 
@@ -205,129 +256,16 @@ def approx_kl_k3(log_ratio: Tensor) -> Tensor:
     return torch.expm1(log_ratio) - log_ratio
 
 
-def exgrpo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    replay_denominator_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    replay_mask: Tensor,
-    entropy: Tensor | None,
-    *,
-    mixed_phase: bool,
-    clip_ratio: float = 0.2,
-    shaping_beta: float = 0.1,
-    policy_shaping: bool = True,
-    replay_tis_cap: float = 0.0,
-    entropy_coeff: float = 0.001,
-    pg_normaliser: float,
-    entropy_normaliser: float,
-    fresh_is_weights: TruncatedIS | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """ExGRPO loss of one micro-batch (formulas in the module docstring).
-
-    logprobs: [B, T] log pi_theta of the response tokens (differentiable).
-    old_logprobs: [B, T] this step's pi_theta_old (fresh-token ratio rho, and the KL metric).
-    replay_denominator_logprobs: [B, T] log-probs for the replay ratio w (see `select_replay_denominator_logprobs`).
-    advantages: [B] per sequence or [B, T] per token. response_mask: [B, T]. replay_mask: [B] or [B, T].
-    entropy: [B, T] token entropies (differentiable or not), or None to leave out the entropy bonus.
-    mixed_phase: False = warm-up (PPO clip on fresh tokens), True = mixed (unclipped).
-    policy_shaping: True = f(w) on replayed tokens, False = the plain ratio w (`replay_weight`).
-    replay_tis_cap: > 0: replayed tokens take `replay_truncated_is_loss` instead (policy_shaping unused).
-    pg_normaliser, entropy_normaliser: from `loss_normalisers` on DP-global counts.
-    fresh_is_weights: `truncated_is_weight` per token [B, T]; fresh tokens' loss is multiplied by its weight
-    (replayed tokens keep f(w) against their replay denominator). None: no correction (the weight-free code path).
-
-    Returns (loss, metrics). Metrics are detached float64 scalars meant to be reduced over micro-batches and DP
-    ranks: keys ending in `_max` with MAX, all others with SUM; `summarize_loss_metrics` turns them into means.
-    Positions outside the response mask never reach exp(), so padding values there are harmless.
-    """
-    valid = response_mask.bool()
-    replay = _per_token(replay_mask, logprobs).bool() & valid
-    fresh = valid & ~replay
-    adv = _per_token(advantages, logprobs).to(logprobs.dtype)
-
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    log_rho = torch.where(fresh, logprobs - old_logprobs, zero)
-    log_w = torch.where(replay, logprobs - replay_denominator_logprobs, zero)
-
-    fresh_loss, clipped = fresh_token_loss(log_rho, adv, clip=not mixed_phase, clip_ratio=clip_ratio)
-    if fresh_is_weights is not None:  # 1 off fresh tokens, so padding or replay values never reach the product
-        is_weight = torch.where(fresh, fresh_is_weights.weight.detach().to(logprobs.dtype), torch.ones_like(zero))
-        is_truncated = fresh_is_weights.truncated.bool() & fresh
-        fresh_loss = fresh_loss * is_weight
-    else:
-        is_weight, is_truncated = torch.zeros_like(zero), torch.zeros_like(fresh)
-    if replay_tis_cap > 0:
-        log_rho_replay = torch.where(replay, logprobs - old_logprobs, zero)
-        replay_loss, tis = replay_truncated_is_loss(
-            log_rho_replay, torch.where(replay, old_logprobs, zero),
-            torch.where(replay, replay_denominator_logprobs, zero), adv, replay_tis_cap, clip=not mixed_phase,
-            clip_ratio=clip_ratio)
-        replay_effective = tis * torch.exp(log_rho_replay)
-    else:
-        replay_loss = replay_token_loss(log_w, adv, beta=shaping_beta, shaping=policy_shaping)
-        replay_effective = replay_weight(log_w, shaping_beta, policy_shaping)
-    token_loss = torch.where(replay, replay_loss, torch.where(fresh, fresh_loss, zero))
-    pg_loss = token_loss.sum() / pg_normaliser
-    loss = pg_loss
-
-    if entropy is not None:
-        entropy_sum = torch.where(valid, entropy, zero).sum()
-        entropy_bonus = entropy_coeff * entropy_sum / entropy_normaliser
-        loss = loss - entropy_bonus
-    else:
-        entropy_sum = entropy_bonus = zero
-
-    with torch.no_grad():
-        w = torch.exp(log_w)
-        metrics = {
-            "pg_loss": pg_loss,
-            "entropy_bonus": entropy_bonus,
-            "token_count": valid.sum(),
-            "fresh_token_count": fresh.sum(),
-            "replay_token_count": replay.sum(),
-            "clipped_token_count": (clipped & fresh).sum(),
-            "fresh_ratio_sum": torch.where(fresh, torch.exp(log_rho), zero).sum(),
-            "approx_kl_sum": torch.where(fresh, approx_kl_k3(log_rho), zero).sum(),
-            "replay_weight_sum": torch.where(replay, w, zero).sum(),
-            "replay_weight_max": torch.where(replay, w, zero).max() if w.numel() else zero,
-            "replay_shaped_weight_sum": torch.where(replay, replay_effective, zero).sum(),
-            "entropy_sum": entropy_sum,
-            "fresh_is_weight_sum": torch.where(fresh, is_weight, zero).sum(),  # 0 without a correction
-            "fresh_is_truncated_count": is_truncated.sum(),
-        }
-        metrics = {k: v.detach().to(torch.float64) for k, v in metrics.items()}
-    return loss, metrics
-
-
-def metric_reduce_op(key: str) -> str:
-    """'max' for keys ending in `_max`, else 'sum' (how to combine `exgrpo_loss` metrics)."""
-    return "max" if key.endswith("_max") else "sum"
-
-
-def summarize_loss_metrics(reduced: Mapping[str, float | Tensor]) -> dict[str, float]:
-    """Means and fractions from metrics already reduced over micro-batches and DP ranks."""
-    v = {k: float(x) for k, x in reduced.items()}
-
-    def ratio(num: str, den: str) -> float:
-        return v[num] / v[den] if v[den] > 0 else 0.0
-
-    return {
-        "pg_loss": v["pg_loss"],
-        "entropy_bonus": v["entropy_bonus"],
-        "token_count": v["token_count"],
-        "replay_token_fraction": ratio("replay_token_count", "token_count"),
-        "clip_fraction": ratio("clipped_token_count", "fresh_token_count"),
-        "fresh_ratio_mean": ratio("fresh_ratio_sum", "fresh_token_count"),
-        "approx_kl": ratio("approx_kl_sum", "fresh_token_count"),
-        "replay_weight_mean": ratio("replay_weight_sum", "replay_token_count"),
-        "replay_weight_max": v["replay_weight_max"],
-        "replay_shaped_weight_mean": ratio("replay_shaped_weight_sum", "replay_token_count"),
-        "entropy_mean": ratio("entropy_sum", "token_count"),
-        "fresh_is_weight_mean": ratio("fresh_is_weight_sum", "fresh_token_count"),
-        "fresh_is_truncated_fraction": ratio("fresh_is_truncated_count", "fresh_token_count"),
-    }
+def aggregate(token_loss: Tensor, sequences: Sequences, mode: str, pg_normaliser: float) -> Tensor:
+    """The aggregation part: one micro-batch's policy-gradient loss from its per-token losses (0 off the response).
+    token_sum_constant, token_mean: sum_{i,t} l / pg_normaliser (the normaliser says which: `loss_normalisers`);
+    seq_mean: sum_i mean_{t in i} l / pg_normaliser (pg_normaliser = the global sequence count: every sequence
+    weighs the same whatever its length; GSPO's 1/G sum_i 1/|y_i| sum_t)."""
+    if mode == "seq_mean":
+        return sequences.means(token_loss).sum() / pg_normaliser
+    if mode in ("token_sum_constant", "token_mean"):
+        return token_loss.sum() / pg_normaliser
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
 def mult_prob_error_sums(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, valid: Tensor
@@ -346,7 +284,7 @@ def token_mult_prob_error(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, 
     return total / count.clamp(min=1.0)
 
 
-def _per_token(x: Tensor, like: Tensor) -> Tensor:
+def per_token(x: Tensor, like: Tensor) -> Tensor:
     """Broadcast a per-sequence [B] tensor to per-token [B, T]; per-token tensors pass through."""
     if x.dim() == like.dim():
         return x

@@ -5,13 +5,15 @@ The trainer asks the algorithm, and nothing else, for
   * `keep_group(rewards)`: the group filter -- a group it drops is not trained on; the trainer refills the batch
     with fresh groups (at most `algo.max_refill_rounds` extra generation rounds) and the dropped group still
     reaches the experience pool (retirement and buckets count every graded group);
-  * `loss(...)`: one micro-batch's loss and summable metrics from the per-token loss inputs (the current
+  * `loss(batch, ...)`: one micro-batch's loss and summable metrics from its `LossBatch` (the current
     log-probs and entropy, pi_old, the behaviour log-probs -- those of the policy that generated the response:
-    the engine's, or a replayed trajectory's recorded ones --, the advantage, the replay flag), with the
-    update's DP-global normalisers (`normalisers`) and the phase (`clips(phase)`: PPO clip on fresh tokens);
+    the engine's, or a replayed trajectory's recorded ones --, the advantage, the replay flag, and which sequence
+    each token belongs to: packed rows hold several), with the update's DP-global normalisers (`normalisers`) and
+    the phase (`clips(phase)`: PPO clip on fresh tokens);
   * `uses_pool` (False = on-policy: no pool; the pool's settings are the `experience` config group's) and
     `pool_outcome` (what the pool learns from one graded group);
-  * `metric_reduce_op` / `step_metrics`: how its loss metrics combine and the step metrics it declares.
+  * `metric_reduce_op` / `step_metrics`: how its loss metrics combine and the step metrics it declares (only
+    those its loss returns the terms of; algo/loss_metrics.py).
 
 A variant is one file in algo/variants/ that registers its class under a name (`registry.register`) and is
 selected with `algo.name=<name>`; a class outside the package is selected with `algo.name=package.module:Class`.
@@ -27,6 +29,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from torch import Tensor
 
+from exgrpo_megatron.algo.policy_loss import LossBatch
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
 from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.experience.types import GroupOutcome
@@ -80,9 +83,8 @@ class RLAlgorithm(Protocol):
         """(pg, entropy) normalisers of one mini-batch from its DP-global counts (`loss.global_loss_counts`)."""
         ...
 
-    def loss(self, logprobs: Tensor, entropy: Tensor | None, response_mask: Tensor, *, old_logprobs: Tensor,
-             behaviour_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
-             normalisers: tuple[float, float]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, batch: LossBatch, *, phase: Phase, normalisers: tuple[float, float]
+             ) -> tuple[Tensor, dict[str, Tensor]]:
         """One micro-batch's loss and its metrics (detached float64 scalars, reduced by `metric_reduce_op`)."""
         ...
 

@@ -97,7 +97,8 @@ DOMAINS: dict[str, Domain] = {
     "rollout.max_staleness": NON_NEGATIVE,  # 0 = colocated, generate then train
     "rollout.generator.threads": NON_NEGATIVE,  # 0 = torch's default
     # algo
-    "algo.clip_ratio": POSITIVE, "algo.shaping_beta": POSITIVE, "algo.entropy_coeff": NON_NEGATIVE,
+    "algo.clip_ratio": POSITIVE, "algo.clip_ratio_high": Domain(lo=0, lo_open=True, none_ok=True),
+    "algo.shaping_beta": POSITIVE, "algo.entropy_coeff": NON_NEGATIVE,
     "algo.skip_grad_bound": Domain(lo=0, lo_open=True, inf_ok=True),  # inf = never skip
     "algo.max_consecutive_skips": AT_LEAST_1, "algo.loss_seqs_per_rank_ref": POSITIVE,
     "algo.entropy_microbatches_ref": POSITIVE,

@@ -116,10 +116,12 @@ class RolloutConfig:
 class AlgoConfig:
     name: str = "exgrpo"  # a registered variant (algo/variants/: exgrpo | grpo | ...) or package.module:Class
     adv_std_normalize: bool = False  # Dr.GRPO: no std division
-    clip_ratio: float = 0.2  # PPO clip on fresh tokens during warm-up
+    ratio: str = "token"  # fresh tokens' importance ratio: token | sequence (GSPO's, per sequence)
+    clip_ratio: float = 0.2  # PPO clip on fresh tokens during warm-up: ratio >= 1 - clip_ratio
+    clip_ratio_high: float | None = None  # ... and ratio <= 1 + clip_ratio_high; None = clip_ratio (DAPO: 0.28)
     shaping_beta: float = 0.1  # f(w) = w / (w + beta) on replayed tokens
     entropy_coeff: float = 0.001
-    loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean
+    loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean | seq_mean
     replay_is_correction: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs (was exp_is_correct)
     replay_tis_cap: float = 0.0  # > 0: replayed tokens train as fresh ones x min(pi_old / pi_past, cap); 0 = f(w)
     old_logprobs: str = "auto"  # auto | rollout | training_forward | recompute (config/old_logprobs.py)
@@ -248,7 +250,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.lr_schedule": ("constant", "cosine", "linear"),
     "rollout.engine": ("megatron", "vllm"),
     "rollout.vllm.dtype": ("auto", "fp32", "bf16", "fp16"),
-    "algo.loss_agg_mode": ("token_sum_constant", "token_mean"),
+    "algo.loss_agg_mode": ("token_sum_constant", "token_mean", "seq_mean"),
+    "algo.ratio": ("token", "sequence"),
     "algo.old_logprobs": ("auto", "rollout", "training_forward", "recompute"),
     "experience.placement": ("displace", "append"),
     "experience.metric": ("ent", "ppl", "random"),

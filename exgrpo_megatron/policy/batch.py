@@ -8,7 +8,9 @@ the padding.
 
 Per-token tensors are aligned to *targets*: column t describes the prediction of token t+1, so
 `loss_mask[:, t]` is 1 where tokens[:, t+1] is a response token. The last column of each sequence is 0
-(in a packed row its "target" is the next sequence's first token, never a loss token).
+(in a packed row its "target" is the next sequence's first token, never a loss token). `MicroBatch.sequences`
+names the sequence of every response target under both layouts (algo/sequences.py), so the loss can reduce over a
+sequence's tokens without knowing the layout.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from exgrpo_megatron.algo.sequences import Sequences
 
 
 @dataclass
@@ -44,6 +48,7 @@ class LossInputs:
 class MicroBatch:
     tokens: torch.Tensor  # [b, s] int64, right-padded (or [1, sum of lengths] packed)
     loss_mask: torch.Tensor  # [b, s] float, 1 on response targets
+    sequences: Sequences  # each response target's sequence (0 .. len(rows)-1), -1 elsewhere
     rows: list[int] = field(default_factory=list)  # positions of these sequences in the full batch
     lengths: list[int] = field(default_factory=list)  # token count of each row's sequence
     prompt_lengths: list[int] = field(default_factory=list)  # prompt token count of each row's sequence
@@ -69,23 +74,23 @@ class MicroBatch:
         """(row, column) of the first token of this micro-batch's b-th sequence."""
         return (0, int(self.cu_seqlens[b])) if self.cu_seqlens is not None else (b, 0)
 
-    def place(self, per_row: Sequence[torch.Tensor]) -> torch.Tensor:
-        """One per-response-token quantity at this micro-batch's target positions, where `loss_mask` is 1 (float32,
+    def place(self, per_row: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One per-response-token quantity at this micro-batch's target positions, where `loss_mask` is 1 (`dtype`,
         0 elsewhere): `per_row[i]` holds the values of full-batch row i (`rows`), one per response token."""
-        values = torch.cat([torch.as_tensor(per_row[i], dtype=torch.float32).reshape(-1) for i in self.rows])
+        values = torch.cat([torch.as_tensor(per_row[i], dtype=dtype).reshape(-1) for i in self.rows])
         targets = self.loss_mask.bool()
         if values.numel() != int(targets.sum()):
             raise ValueError(f"{values.numel()} values for the {int(targets.sum())} response tokens of micro-batch "
                              f"rows {self.rows}")
-        out = torch.zeros(self.tokens.shape, dtype=torch.float32)
+        out = torch.zeros(self.tokens.shape, dtype=dtype)
         out[targets] = values  # row-major order: the rows in order, each row's targets in sequence order
         return out
 
     def to(self, device: torch.device) -> MicroBatch:
         cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
         inputs = None if self.loss_inputs is None else self.loss_inputs.to(device)
-        return MicroBatch(self.tokens.to(device), self.loss_mask.to(device), list(self.rows), list(self.lengths),
-                          list(self.prompt_lengths), cu, inputs)
+        return MicroBatch(self.tokens.to(device), self.loss_mask.to(device), self.sequences.to(device),
+                          list(self.rows), list(self.lengths), list(self.prompt_lengths), cu, inputs)
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
@@ -137,13 +142,16 @@ def collate(
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     tokens = torch.full(shape, pad_id, dtype=torch.long)
     loss_mask = torch.zeros(shape, dtype=torch.float32)
+    seq_index = torch.full(shape, -1, dtype=torch.long)
     for b, i in enumerate(rows):
         seq, p = sequences[i], prompt_lengths[i]
         r, c = (0, starts[b]) if packed else (b, 0)
         tokens[r, c : c + len(seq)] = torch.as_tensor(seq, dtype=torch.long)
         loss_mask[r, c + p - 1 : c + len(seq) - 1] = 1.0
+        seq_index[r, c + p - 1 : c + len(seq) - 1] = b
     cu = torch.tensor(starts, dtype=torch.int32) if packed else None
-    return MicroBatch(tokens, loss_mask, list(rows), lengths, [prompt_lengths[i] for i in rows], cu)
+    return MicroBatch(tokens, loss_mask, Sequences(seq_index, len(rows)), list(rows), lengths,
+                      [prompt_lengths[i] for i in rows], cu)
 
 
 def make_micro_batches(sequences: list[list[int]], prompt_lengths: list[int], rows: list[int], max_tokens: int,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from exgrpo_megatron.algo.sequences import Sequences
 from exgrpo_megatron.policy.batch import LossInputs, MicroBatch
 
 
@@ -33,7 +34,8 @@ def padding_micro_batch(like: MicroBatch | None, packed: bool) -> MicroBatch:
         inputs = LossInputs(None if x.old_logprobs is None else zeros, zeros, zeros, zeros, x.measure_mismatch)
     packed = like.cu_seqlens is not None if like is not None else packed
     cu = torch.tensor([0, 1], dtype=torch.int32) if packed else None
-    return MicroBatch(tokens, zeros.clone(), [], [1], [1], cu, inputs)
+    # one row holding no sequence's token: every index -1, so a per-sequence reduction adds nothing
+    return MicroBatch(tokens, zeros.clone(), Sequences.rows(zeros), [], [1], [1], cu, inputs)
 
 
 def equalise_micro_batch_count(mbs: list[MicroBatch], group: Any, packed: bool) -> list[MicroBatch]:

@@ -71,6 +71,8 @@ class Policy:
         self.use_mask = resolve_layer_spec(cfg.model) == "local" and cfg.model.core_attention == "megatron"
         self.tokens_run = self.padding_run = 0  # token slots through the model / of them padding, since taken
         self._counting_load = False  # forward_backward of a training update: the MoE routers' loads are counted
+        # called with (micro_batches, forward_only) before every pass (the trainer's observers: step_observer.py)
+        self.pass_observers: list[Callable[[list[MicroBatch], bool], None]] = []
         tcfg = self.modules[0].config
         tcfg.variable_seq_lengths = True  # micro-batches differ in length and rows
         ddp_cfg = DistributedDataParallelConfig(
@@ -161,6 +163,8 @@ class Policy:
         micro-batch on every pipeline stage (broadcast from the last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        for observe in self.pass_observers:
+            observe(micro_batches, forward_only)
         device = next(self.modules[0].parameters()).device
         if self.ep_group is not None:
             micro_batches = equalise_micro_batch_count(micro_batches, self.ep_group, self.sequence_packing)

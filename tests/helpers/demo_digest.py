@@ -52,21 +52,17 @@ def weights_sha256(policy) -> str:
 
 def train_digest(overrides_: list[str]) -> dict | None:
     """run_training on this rank; rank 0 returns {"metrics": [...], "weights": sha256}."""
-    import exgrpo_megatron.trainer as trainer
+    from exgrpo_megatron.step_observer import StepObserver
+    from exgrpo_megatron.trainer import run_training
 
     kept: dict = {}
-    original = trainer.build_components
 
-    def build(cfg, layout):
-        kept["c"] = original(cfg, layout)
-        return kept["c"]
+    class KeepComponents(StepObserver):
+        def started(self, c) -> None:
+            kept["c"] = c
 
-    trainer.build_components = build
-    try:
-        cfg = load_config("demo_cpu", overrides_)
-        assert trainer.run_training(cfg) == 0
-    finally:
-        trainer.build_components = original
+    cfg = load_config("demo_cpu", overrides_)
+    assert run_training(cfg, observers=[KeepComponents()]) == 0
     if kept["c"].layout.rank != 0:
         return None
     with open(os.path.join(cfg.logging.run_dir, "metrics.jsonl")) as f:

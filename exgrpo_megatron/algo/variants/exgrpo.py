@@ -4,8 +4,13 @@ train through policy shaping.
 It owns what the paper defines and ablates: the denominator of the replay ratio (importance-sampling
 correction, `algo.replay_is_correction`), the loss of each phase (warm-up: PPO clip on fresh tokens; collecting /
 mixed: unclipped, replayed tokens shaped by f(w) or, with `algo.replay_tis_cap`, trained as fresh tokens weighted by
-truncated IS; `algo/loss.py`) and what the pool learns from a group (`pool_outcome`). The pool's own settings (rho,
-placement, delayed start, admission / retirement / age bounds, selection) are the `experience` config group's.
+truncated IS: the replay term; algo/loss.py, assembled by `GroupRelative.loss_spec`) and what the pool learns from a
+group (`pool_outcome`). The pool's own settings (rho, placement, delayed start, admission / retirement / age bounds,
+selection) are the `experience` config group's.
+
+The fresh tokens' ratio may be GSPO's sequence ratio (`algo.ratio=sequence`): a replayed trajectory is a whole
+sequence of its own, so the sequence ratio of a fresh sequence never mixes in replayed tokens and the replay term is
+unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from exgrpo_megatron.algo.group_relative import GroupRelative
-from exgrpo_megatron.algo.loss import exgrpo_loss, select_replay_denominator_logprobs
+from exgrpo_megatron.algo.loss import select_replay_denominator_logprobs
+from exgrpo_megatron.algo.policy_loss import ReplayTerm, ShapedReplay, TruncatedISReplay
 from exgrpo_megatron.algo.protocol import GradedResponse
 from exgrpo_megatron.algo.registry import register
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
@@ -48,23 +54,17 @@ class ExGRPO(GroupRelative):
         `algo.mixed_phase_clip` keeps it in every phase."""
         return phase is Phase.WARMUP or self.mixed_phase_clip
 
+    @property
+    def replay_term(self) -> ReplayTerm:
+        """-A * f(w) on replayed tokens, f(w) = w / (w + `algo.shaping_beta`), the plain w without
+        `algo.policy_shaping`; with `algo.replay_tis_cap` > 0 the fresh-token loss x min(pi_old / pi_past, cap)."""
+        if self.replay_tis_cap > 0:
+            return TruncatedISReplay(self.replay_tis_cap)
+        return ShapedReplay(self.shaping_beta, self.policy_shaping)
+
     def replay_denominator_logprobs(self, old_logprobs: Tensor, behaviour_logprobs: Tensor, replay: Tensor) -> Tensor:
         """The replay ratio's denominator: recorded pi_past on replayed tokens with IS correction, else pi_old."""
         return select_replay_denominator_logprobs(old_logprobs, behaviour_logprobs, replay, self.replay_is_correction)
-
-    def loss(self, logprobs: Tensor, entropy: Tensor | None, response_mask: Tensor, *, old_logprobs: Tensor,
-             behaviour_logprobs: Tensor, advantages: Tensor, replay: Tensor, phase: Phase,
-             normalisers: tuple[float, float]) -> tuple[Tensor, dict[str, Tensor]]:
-        """`loss.exgrpo_loss`; `behaviour_logprobs`: the engine's, on replayed rows the recorded ones (the replay
-        ratio's denominator there with `algo.replay_is_correction`; on fresh rows the truncated IS weight's with
-        `algo.fresh_is_cap` > 0)."""
-        denominator = self.replay_denominator_logprobs(old_logprobs, behaviour_logprobs, replay)
-        return exgrpo_loss(
-            logprobs, old_logprobs, denominator, advantages, response_mask, replay, entropy,
-            mixed_phase=not self.clips(phase), clip_ratio=self.clip_ratio, shaping_beta=self.shaping_beta,
-            policy_shaping=self.policy_shaping, replay_tis_cap=self.replay_tis_cap, entropy_coeff=self.entropy_coeff,
-            pg_normaliser=normalisers[0], entropy_normaliser=normalisers[1],
-            fresh_is_weights=self.fresh_is_weights(old_logprobs, behaviour_logprobs, replay))
 
     def pool_outcome(self, qid: int, responses: Sequence[GradedResponse], step: int,
                      collect: bool) -> GroupOutcome | None:

@@ -1,0 +1,130 @@
+"""Observing training: what each verb of a step produced, handed to observers (`run_training(cfg, observers=[...])`).
+
+A `StepObserver` overrides the hooks it needs (all do nothing here); `StepObservers` calls every observer's hook in
+order, with the step number. Observers receive the trainer's own objects: they look, they do not steer (mutating
+what they receive changes the run). Tests and benches observe a run through these hooks instead of replacing the
+trainer's functions. Generating ahead (`rollout.max_staleness` > 0) the generator process plans and generates, so
+`planned` and `generated` are not called there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from exgrpo_megatron.components import Components
+    from exgrpo_megatron.data.step_plan import QuestionGroup
+    from exgrpo_megatron.experience.schedule import Phase
+    from exgrpo_megatron.policy.batch import MicroBatch
+    from exgrpo_megatron.policy.output_layer import LastStageOutput
+    from exgrpo_megatron.policy.train_batch import RolloutRows, TrainBatch
+    from exgrpo_megatron.rollout.group_filter import StepRollouts
+    from exgrpo_megatron.rollout.types import Sample
+    from exgrpo_megatron.step_metrics import UpdateMetrics
+
+
+class StepObserver:
+    """The hooks, in the order a step calls them."""
+
+    def started(self, c: Components) -> None:
+        """The run's components are built (before a checkpoint is resumed)."""
+
+    def step_started(self, step: int) -> None:
+        """A step begins (nothing of it has run)."""
+
+    def planned(self, step: int, groups: list[QuestionGroup]) -> None:
+        """The step's global batch of question groups (replays: the trajectory the pool chose, still stored)."""
+
+    def generated(self, step: int, groups: list[QuestionGroup], samples: list[list[Sample]]) -> None:
+        """This rank's groups of one generation round (refill rounds too) and their samples."""
+
+    def rolled_out(self, step: int, rollouts: StepRollouts) -> None:
+        """This rank's graded groups, filtered and refilled when the algorithm filters."""
+
+    def rows_built(self, step: int, rows: RolloutRows) -> None:
+        """The rows of the groups trained on (tokens, rewards, advantages, behaviour log-probs, replay flags)."""
+
+    def batch_ready(self, step: int, batch: TrainBatch) -> None:
+        """The rows with their pi_old."""
+
+    def update_started(self, step: int, update: int, micro_batches: list[MicroBatch], phase: Phase,
+                       normalisers: tuple[float, float]) -> None:
+        """One mini-batch update's micro-batches (with their loss inputs), the phase and its normalisers."""
+
+    def loss_computed(self, step: int, update: int, output: LastStageOutput, micro_batch: MicroBatch, loss: Tensor,
+                      metrics: dict[str, Tensor]) -> None:
+        """One micro-batch's loss on the last pipeline stage: the model's output, the loss and its metrics."""
+
+    def updated(self, step: int, update: int, metrics: UpdateMetrics) -> None:
+        """One mini-batch update done: the optimizer step's result and the loss metrics of its micro-batches."""
+
+    def policy_pass(self, step: int, micro_batches: list[MicroBatch], forward_only: bool) -> None:
+        """Any pass through the policy (pi_old, the selection's scores, an update), before it runs."""
+
+    def step_finished(self, step: int, metrics: dict[str, Any]) -> None:
+        """The step's logged metrics."""
+
+
+class StepObservers:
+    """Calls the hook of every observer, in order, with the current step (set by `begin`)."""
+
+    def __init__(self, observers: Sequence[StepObserver] = ()) -> None:
+        self.observers = list(observers)
+        self.step = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.observers)
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        for o in self.observers:
+            o.step_started(step)
+
+    def started(self, c: Components) -> None:
+        for o in self.observers:
+            o.started(c)
+
+    def planned(self, groups: list[QuestionGroup]) -> None:
+        for o in self.observers:
+            o.planned(self.step, groups)
+
+    def generated(self, groups: list[QuestionGroup], samples: list[list[Sample]]) -> None:
+        for o in self.observers:
+            o.generated(self.step, groups, samples)
+
+    def rolled_out(self, rollouts: StepRollouts) -> None:
+        for o in self.observers:
+            o.rolled_out(self.step, rollouts)
+
+    def rows_built(self, rows: RolloutRows) -> None:
+        for o in self.observers:
+            o.rows_built(self.step, rows)
+
+    def batch_ready(self, batch: TrainBatch) -> None:
+        for o in self.observers:
+            o.batch_ready(self.step, batch)
+
+    def update_started(self, update: int, micro_batches: list[MicroBatch], phase: Phase,
+                       normalisers: tuple[float, float]) -> None:
+        for o in self.observers:
+            o.update_started(self.step, update, micro_batches, phase, normalisers)
+
+    def loss_computed(self, update: int, output: LastStageOutput, micro_batch: MicroBatch, loss: Tensor,
+                      metrics: dict[str, Tensor]) -> None:
+        for o in self.observers:
+            o.loss_computed(self.step, update, output, micro_batch, loss, metrics)
+
+    def updated(self, update: int, metrics: UpdateMetrics) -> None:
+        for o in self.observers:
+            o.updated(self.step, update, metrics)
+
+    def policy_pass(self, micro_batches: list[MicroBatch], forward_only: bool) -> None:
+        for o in self.observers:
+            o.policy_pass(self.step, micro_batches, forward_only)
+
+    def step_finished(self, metrics: dict[str, Any]) -> None:
+        for o in self.observers:
+            o.step_finished(self.step, metrics)
