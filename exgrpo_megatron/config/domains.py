@@ -96,6 +96,8 @@ DOMAINS: dict[str, Domain] = {
     "rollout.val_top_p": PROBABILITY_MASS,
     "rollout.max_staleness": NON_NEGATIVE,  # 0 = colocated, generate then train
     "rollout.generator.threads": NON_NEGATIVE,  # 0 = torch's default
+    "rollout.generator.startup_timeout_seconds": POSITIVE, "rollout.generator.deadline_factor": POSITIVE,
+    "rollout.generator.deadline_min_seconds": POSITIVE,  # the generator's deadline (ahead/watch.py)
     # algo
     "algo.clip_ratio": POSITIVE, "algo.clip_ratio_high": Domain(lo=0, lo_open=True, none_ok=True),
     "algo.shaping_beta": POSITIVE, "algo.entropy_coeff": NON_NEGATIVE,
@@ -124,6 +126,7 @@ DOMAINS: dict[str, Domain] = {
     "data.max_prompt_length": AT_LEAST_1, "data.max_response_length": AT_LEAST_1,
     "data.num_val_examples": AT_LEAST_1, "data.num_train_examples": AT_LEAST_1,
     "data.num_test_examples": NON_NEGATIVE,  # 0 = no test split
+    "data.max_unparsable_answers": Domain(lo=0, hi=1),  # a fraction of the rows (reward/answer_check.py)
     # reward
     "reward.timeout_seconds": AT_LEAST_1, "reward.hard_deadline_seconds": POSITIVE,
     "reward.num_workers": AT_LEAST_1,
