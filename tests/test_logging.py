@@ -199,6 +199,8 @@ def test_plot_run_writes_png(tmp_path, capsys):
     records = read_metrics(str(run_dir / "metrics.jsonl"))
     plot_run.add_question_share(records, plot_run.run_batch_size(str(run_dir)))
     assert [r["replay/question_share"] for r in records][3:5] == [0.0, 0.5]  # 4 of 8 questions from the pool
+    plot_run.add_question_share(records, 8, appended=True)  # 4 replayed on top of 8 fresh: 4 of 12
+    assert [r["replay/question_share"] for r in records][3:5] == [0.0, 4 / 12]
     chosen = {title: [key for key, _ in keys] for title, keys in plot_run.panel_keys(records).items()}
     assert chosen["reward"] == ["reward/fresh_mean", "val/avg@4"]  # not the replayed trajectories' reward (1)
     assert chosen["replayed share of the batch"] == ["replay/question_share", "replay/token_fraction"]

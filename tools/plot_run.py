@@ -44,14 +44,16 @@ def series(records: list[dict[str, Any]], key: str) -> list[float]:
     return out
 
 
-def add_question_share(records: list[dict[str, Any]], batch_size: int | None) -> None:
-    """``replay/question_share`` = experience/n_replayed / train_batch_size, into each record that has both."""
+def add_question_share(records: list[dict[str, Any]], batch_size: int | None, appended: bool = False) -> None:
+    """``replay/question_share``: the share of the step's questions drawn from the pool, into each record that has
+    experience/n_replayed: n / B where replays displace fresh questions, n / (B + n) where they are appended
+    (experience.placement=append)."""
     if not batch_size:
         return
     for record in records:
         n = record.get("experience/n_replayed")
         if isinstance(n, (int, float)):
-            record["replay/question_share"] = float(n) / batch_size
+            record["replay/question_share"] = float(n) / (batch_size + (float(n) if appended else 0.0))
 
 
 def panel_keys(records: list[dict[str, Any]]) -> dict[str, list[tuple[str, str]]]:
@@ -72,16 +74,25 @@ def _bucket(key: str) -> str:
     return match.group(1)
 
 
-def run_batch_size(run_dir: str) -> int | None:
-    """trainer.train_batch_size from RUN_DIR/config.yaml (None without one)."""
+def _run_config(run_dir: str) -> dict[str, Any]:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
-        return None
+        return {}
     import yaml
 
     with open(path) as f:
-        value = ((yaml.safe_load(f) or {}).get("trainer") or {}).get("train_batch_size")
+        return yaml.safe_load(f) or {}
+
+
+def run_batch_size(run_dir: str) -> int | None:
+    """trainer.train_batch_size from RUN_DIR/config.yaml (None without one)."""
+    value = (_run_config(run_dir).get("trainer") or {}).get("train_batch_size")
     return int(value) if isinstance(value, int) else None
+
+
+def run_appends_replays(run_dir: str) -> bool:
+    """Does the run append its replayed questions to the fresh ones (experience.placement=append)?"""
+    return (_run_config(run_dir).get("experience") or {}).get("placement") == "append"
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:
@@ -95,7 +106,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir!r} (expected {path})")
     records = sorted((r for r in read_metrics(path) if isinstance(r.get("step"), int)), key=lambda r: r["step"])
-    add_question_share(records, run_batch_size(run_dir))
+    add_question_share(records, run_batch_size(run_dir), run_appends_replays(run_dir))
     fig = figure(records, os.path.basename(os.path.abspath(run_dir)))
     out = out or os.path.join(run_dir, "metrics.png")
     fig.savefig(out, dpi=100)
