@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from exgrpo_megatron.components import Components
     from exgrpo_megatron.data.step_plan import QuestionGroup
     from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.policy.batch import MicroBatch
@@ -29,8 +28,9 @@ if TYPE_CHECKING:
 class StepObserver:
     """The hooks, in the order a step calls them."""
 
-    def started(self, c: Components) -> None:
-        """The run's components are built (before a checkpoint is resumed)."""
+    def started(self, c: Any) -> None:
+        """The run's components are built (before a checkpoint is resumed); `c` is the `components.Components` (not
+        imported here: components holds the observers)."""
 
     def step_started(self, step: int) -> None:
         """A step begins (nothing of it has run)."""
@@ -83,7 +83,7 @@ class StepObservers:
         for o in self.observers:
             o.step_started(step)
 
-    def started(self, c: Components) -> None:
+    def started(self, c: Any) -> None:
         for o in self.observers:
             o.started(c)
 

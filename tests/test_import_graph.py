@@ -27,6 +27,7 @@ LAYERS: tuple[str, ...] = (
     "rollout_service",  # generation + grading for a list of question groups
     "policy",  # the trained policy: schedule, optimizer, log-probs
     "step_metrics",
+    "step_observer",  # the hooks a run's observers receive (they only look at the trainer's objects)
     "components",  # what a run is built from
     "ahead",  # generating ahead of training: the schedule, the generator process, the link
     "evaluate",  # the benchmark evaluation CLI

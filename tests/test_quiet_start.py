@@ -40,14 +40,16 @@ def test_demo_entry_starts_with_the_startup_block_and_no_known_warning(tmp_path)
         ("auto: hidden size 128 < 512", "auto: no bf16 matrix unit")), first[1]
     assert first[2].startswith(f"exgrpo-train: run dir {tmp_path / 'run'}; layout TP=1 PP=1 DP=1 (world 1, cpu)")
     block = proc.stdout.splitlines()[3:6]
-    assert block[1].startswith("exgrpo-train: algorithm exgrpo; experience replay: mixed phase once batch pass rate")
+    assert block[1].startswith(
+        "exgrpo-train: algorithm exgrpo; experience replay (displace): mixed phase once batch pass rate")
     assert block[2] == "exgrpo-train: rollouts: megatron engine, generated within each step from the current weights"
 
 
 @pytest.mark.parametrize("overrides,algorithm,rollouts", [
     (["algo.name=grpo"], "algorithm grpo; experience replay: off (on-policy grpo)", "generated within each step"),
     (["algo.name=dapo"], "algorithm dapo; experience replay: off (on-policy dapo)", "generated within each step"),
-    (["rollout.max_staleness=1", "algo.fresh_is_cap=2.0"], "algorithm exgrpo; experience replay: mixed phase",
+    (["rollout.max_staleness=1", "algo.fresh_is_cap=2.0"],
+     "algorithm exgrpo; experience replay (displace): mixed phase",
      "rollouts: megatron engine in its own process, generating 1 step(s) ahead of training"),
 ])
 def test_startup_block_says_which_algorithm_runs_and_whether_generation_runs_ahead(overrides, algorithm, rollouts):
