@@ -165,3 +165,16 @@ def test_qwen3_8b_memory_estimate_matches_formulas():
     recompute = tokens * layers * h / 2 * 2 + tokens * (4 * h / 2 + (3 * q + 3 * kv + 3 * f) / 2) * 2
     assert est.activations == pytest.approx(recompute + 2 * tokens * vocab / 2 * 2, rel=1e-6)
     assert est.train_peak < 80 * 2**30 and est.generation_peak < 80 * 2**30
+
+
+def test_a_run_config_written_with_qkv_bias_loads_when_it_is_the_familys():
+    """Run configs recorded before the family decided the q/k/v bias (bench/results' run records) still load; a
+    bias the family does not have is refused naming the key."""
+    from omegaconf import OmegaConf
+
+    from exgrpo_megatron.config.loader import to_schema
+    from exgrpo_megatron.config.validate import ConfigError
+
+    assert to_schema(OmegaConf.create({"model": {"family": "qwen2", "qkv_bias": True}})).model.family == "qwen2"
+    with pytest.raises(ConfigError, match="model.qkv_bias"):
+        to_schema(OmegaConf.create({"model": {"family": "llama", "qkv_bias": True}}))

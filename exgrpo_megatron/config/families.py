@@ -17,6 +17,7 @@ plus its conversion test against transformers' own model class (docs/models.md).
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,3 +84,13 @@ def family_of(name: str) -> ModelFamily:
         return FAMILIES[name]
     except KeyError:
         raise ValueError(f"model.family: unsupported architecture {name!r}; supported: {sorted(FAMILIES)}") from None
+
+
+def pop_retired_qkv_bias(model: MutableMapping[str, Any], where: str) -> None:
+    """Remove `qkv_bias` from a model config written before the family decided it (old run configs, old
+    model_config.yaml files): accepted when it is the family's, ValueError naming `where` otherwise."""
+    if "qkv_bias" not in model:
+        return
+    saved, family = model.pop("qkv_bias"), family_of(str(model.get("family", "qwen2")))
+    if bool(saved) != family.qkv_bias:
+        raise ValueError(f"{where}: qkv_bias={saved} but the {family.name} family has qkv_bias={family.qkv_bias}")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from exgrpo_megatron.config.aliases import rename_composed, rename_overrides
+from exgrpo_megatron.config.families import pop_retired_qkv_bias
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 
@@ -59,6 +60,13 @@ def presets(config_dir: Path | str | None = None) -> list[str]:
 
 def to_schema(composed: DictConfig) -> RootConfig:
     """Merge into the typed schema; unknown keys and wrong types raise ConfigError naming the key."""
+    model = composed.get("model")
+    if isinstance(model, DictConfig) and "qkv_bias" in model:  # a run config written before the family decided it
+        try:
+            with open_dict(model):
+                pop_retired_qkv_bias(model, "model.qkv_bias")
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RootConfig), composed)
         cfg = OmegaConf.to_object(merged)

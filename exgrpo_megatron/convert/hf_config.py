@@ -18,7 +18,14 @@ from typing import Any
 import yaml
 
 from exgrpo_megatron.config.derived import head_dim
-from exgrpo_megatron.config.families import FAMILIES, MOE_HF_KEYS, ModelFamily, MoEKeys, family_of
+from exgrpo_megatron.config.families import (
+    FAMILIES,
+    MOE_HF_KEYS,
+    ModelFamily,
+    MoEKeys,
+    family_of,
+    pop_retired_qkv_bias,
+)
 from exgrpo_megatron.config.schema import ModelConfig
 
 MODEL_CONFIG_FILE = "model_config.yaml"
@@ -227,11 +234,10 @@ def load_model_config(path: str) -> ModelConfig:
         data = yaml.safe_load(f) or {}
     if set(data) == {"model"} and isinstance(data["model"], dict):
         data = data["model"]
-    if "qkv_bias" in data:
-        saved, family = data.pop("qkv_bias"), family_of(data.get("family", ModelConfig.family))
-        if bool(saved) != family.qkv_bias:
-            raise UnsupportedArchitectureError(f"{path}: qkv_bias={saved} but the {family.name} family has "
-                                               f"qkv_bias={family.qkv_bias}")
+    try:
+        pop_retired_qkv_bias(data, path)
+    except ValueError as exc:
+        raise UnsupportedArchitectureError(str(exc)) from None
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
