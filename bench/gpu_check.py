@@ -78,18 +78,11 @@ def compare(a: dict, b: dict) -> dict:
 
 
 def matmul_flops_per_token(cfg: Any) -> int:
-    """2 * N_matmul: every matmul weight of the model (QKV, output projection, MLP, the output layer)."""
-    m = cfg.model
-    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
-    qkv = m.hidden_size * kv * (m.num_attention_heads + 2 * m.num_query_groups)
-    attn = qkv + kv * m.num_attention_heads * m.hidden_size  # QKV + the output projection
-    mlp = 3 * m.hidden_size * m.ffn_hidden_size
-    return 2 * (m.num_layers * (attn + mlp) + m.hidden_size * m.vocab_size)
+    """2 * N_matmul: every matmul weight of the model (QKV, output projection, MLP, the output layer), counted as
+    bench/train_throughput.py counts them."""
+    from train_throughput import flops_per_token
 
-
-def weight_bytes(cfg: Any, bytes_per_param: int) -> int:
-    """Bytes of every weight a decode step reads (the matmul weights, as `matmul_flops_per_token` counts them)."""
-    return matmul_flops_per_token(cfg) // 2 * bytes_per_param
+    return 2 * flops_per_token(cfg.model, seq=0)[0]
 
 
 # ------------------------------------------------------------------------------------------ sections

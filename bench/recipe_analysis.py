@@ -53,7 +53,7 @@ def per_trajectory(a: dict[int, dict], b: dict[int, dict], threshold: float) -> 
 
 
 def _runs(root: str, variant: str, lr: float, seeds: list[int]) -> dict[int, dict]:
-    return {s: r for s in seeds if (r := fa.load_run(fa.run_dir(root, variant, lr, s))) and "test" in r}
+    return {s: r for s, r in fa._runs_by_seed(root, variant, lr, seeds).items() if "test" in r}
 
 
 def analyse_recipes(root: str, recipes: dict, weak: dict, matched: dict, best: dict, seeds: list[int],
