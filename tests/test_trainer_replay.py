@@ -14,7 +14,6 @@ module in a temporary directory) makes some answers correct.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 import importlib.util
@@ -61,17 +60,6 @@ def sft_dir(tmp_path_factory) -> str:
     run_on_ranks(_warm_start, 1, args=(_replay_overrides(str(d / "unused"), str(d),
                                                          ("trainer.micro_batch_max_tokens=8192",)),))
     return str(d)
-
-
-@contextlib.contextmanager
-def _spy(module, name: str, make_wrapper):
-    """Replace module.<name> by make_wrapper(original) for the duration of the block."""
-    original = getattr(module, name)
-    setattr(module, name, make_wrapper(original))
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
 
 
 def _metrics(run_dir: str) -> list[dict]:
@@ -340,21 +328,25 @@ def _check_tensorboard(run_dir: str, records: list[dict]) -> None:
 
 
 def _train_recording_loss_phase(overrides: list[str]) -> dict:
-    """run_training (DP=1), recording the mixed_phase argument of every loss the trainer builds."""
-    import exgrpo_megatron.trainer as trainer
+    """run_training (DP=1), recording through an observer whether the algorithm leaves each update unclipped
+    (the mixed phase's loss) in the phase the trainer hands it."""
+    from exgrpo_megatron.step_observer import StepObserver
+    from exgrpo_megatron.trainer import run_training
+
+    class LossPhases(StepObserver):
+        def __init__(self) -> None:
+            self.unclipped: list[bool] = []
+
+        def started(self, c) -> None:
+            self.algorithm = c.algorithm
+
+        def update_started(self, step, update, micro_batches, phase, normalisers) -> None:
+            self.unclipped.append(not self.algorithm.clips(phase))
 
     cfg = load_config("demo_cpu", overrides)
-    phases: list[bool] = []
-
-    def record(original):
-        def wrapper(algorithm, **kw):
-            phases.append(not algorithm.clips(kw["phase"]))
-            return original(algorithm, **kw)
-        return wrapper
-
-    with _spy(trainer, "rl_loss_fn", record):
-        assert trainer.run_training(cfg) == 0
-    return {"phases": phases, "metrics": _metrics(cfg.logging.run_dir)}
+    seen = LossPhases()
+    assert run_training(cfg, observers=[seen]) == 0
+    return {"phases": seen.unclipped, "metrics": _metrics(cfg.logging.run_dir)}
 
 
 def test_on_policy_grpo_keeps_the_warmup_clip(tmp_path, sft_dir):
@@ -374,97 +366,81 @@ def test_on_policy_grpo_keeps_the_warmup_clip(tmp_path, sft_dir):
 
 # ------------------------------------------------------------------------------------------- pi_old from the rollout
 def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
-    """run_training with algo.old_logprobs=auto (rollout log-probs for fresh rows, the selection pass's for replayed
-    rows). Each step the spy also computes what the switched-off trainer uses -- pi_old recomputed by a forward pass
-    of every row, before any update -- and runs every update both ways on the trainer's own micro-batches: first
-    with the recomputed pi_old (switched off), then the real one (switched on, whose gradients the optimizer uses)."""
-    import exgrpo_megatron.rollout_service as service
-    import exgrpo_megatron.trainer as trainer
+    """run_training with an observer that, each step, computes what the switched-off trainer uses -- pi_old
+    recomputed by a forward pass of every row, before any update -- and, before each update, that update's loss and
+    gradients both ways on the trainer's own micro-batches: with the recomputed pi_old (switched off) and with the
+    trainer's (switched on); it then clears the gradients for the trainer's own update, whose logged loss must be the
+    switched-on one. Also records the threads of the updates' passes and of generation."""
     from exgrpo_megatron.distributed.threads import available_cores
+    from exgrpo_megatron.policy.objective import rl_loss_fn
+    from exgrpo_megatron.policy.old_logprobs import old_logprobs
+    from exgrpo_megatron.policy.train_batch import micro_batches_for_update
+    from exgrpo_megatron.step_observer import StepObserver
+    from exgrpo_megatron.trainer import run_training
 
     cfg = load_config("demo_cpu", overrides)
     rec: dict = {"steps": [], "updates": [], "threads_train": set(), "threads_generate": set(),
                  "cores": available_cores()}
-    now: dict = {}
 
     def grads(policy) -> list[torch.Tensor]:
         return [p.main_grad.detach().clone() for ch in policy.chunks for p in ch.parameters() if p.requires_grad]
 
-    def counting(loss_fn):
-        def fn(logits, mb):
-            rec["threads_train"].add(torch.get_num_threads())
-            return loss_fn(logits, mb)
-        return fn
+    class Compare(StepObserver):
+        def started(self, c) -> None:
+            self.c = c
+            rec["resolved"] = c.old_logprobs
 
-    def old_logprobs(original):
-        def wrapper(policy, batch, replay_current, source, **kw):
-            result = original(policy, batch, replay_current, source, **kw)
-            out = result[0]
-            now["recomputed"], _ = original(policy, batch, replay_current, "recompute", **kw)
+        def generated(self, step, groups, samples) -> None:  # generation's threads are the process's own
+            rec["threads_generate"].add(torch.get_num_threads())
+
+        def batch_ready(self, step, batch) -> None:
+            c, s = self.c, self.c.settings
+            self.batch = batch
+            self.recomputed, _ = old_logprobs(c.policy, batch, [None] * len(batch.sequences), "recompute",
+                                              temperature=s.sampling.temperature, max_tokens=s.micro_batch_max_tokens)
+            out = batch.old_logprobs
             if out is None:  # training_forward: the update's own forward is pi_old
-                rec["steps"].append({"source": source, "replay_rows": sum(batch.is_replay)})
-                return result
+                rec["steps"].append({"source": c.old_logprobs, "replay_rows": sum(batch.is_replay)})
+                return
 
             def diff(rows):
-                return max((float((out[i] - now["recomputed"][i]).abs().max()) for i in rows), default=0.0)
+                return max((float((out[i] - self.recomputed[i]).abs().max()) for i in rows), default=0.0)
             replay = [i for i, r in enumerate(batch.is_replay) if r]
             fresh = [i for i, r in enumerate(batch.is_replay) if not r]
             rec["steps"].append({
-                "source": source, "replay_rows": len(replay), "replay_old_vs_recompute": diff(replay),
+                "source": c.old_logprobs, "replay_rows": len(replay), "replay_old_vs_recompute": diff(replay),
                 "fresh_old_vs_recompute": diff(fresh),
                 "replay_old_vs_behaviour": max(
                     (float((out[i] - batch.behaviour_logprobs[i]).abs().max()) for i in replay), default=0.0)})
-            return result
-        return wrapper
 
-    def micro_batches(original):
-        def wrapper(batch, rows, max_tokens, **kw):
-            # the behaviour log-probs follow (the algorithm picks them)
-            now["off"] = original(dataclasses.replace(batch, old_logprobs=now["recomputed"]), rows, max_tokens)
-            now["replay_rows"] = sum(batch.is_replay[i] for i in rows)
-            return original(batch, rows, max_tokens, **kw)
-        return wrapper
-
-    def spy_forward_backward(policy):
-        fb = policy.forward_backward
-
-        def forward_backward(mbs, loss_fn, forward_only=False):
-            if forward_only:
-                return fb(mbs, counting(loss_fn), forward_only=True)
-            policy.zero_grad()
-            m_off = fb(now["off"], loss_fn)
-            g_off = grads(policy)
-            policy.zero_grad()
-            m_on = fb(mbs, counting(loss_fn))
-            g_on = grads(policy)
+        def update_started(self, step, update, micro_batches, phase, normalisers) -> None:
+            c, s = self.c, self.c.settings
+            rows = [r for mb in micro_batches for r in mb.rows]
+            off = micro_batches_for_update(dataclasses.replace(self.batch, old_logprobs=self.recomputed), sorted(rows),
+                                           s.micro_batch_max_tokens, packed=s.sequence_packing)
+            loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=normalisers,
+                                 temperature=s.sampling.temperature, vocab_size=s.vocab_size)
+            c.policy.zero_grad()
+            m_off = c.policy.forward_backward(off, loss_fn)
+            g_off = grads(c.policy)
+            c.policy.zero_grad()
+            m_on = c.policy.forward_backward(micro_batches, loss_fn)
+            g_on = grads(c.policy)
+            c.policy.zero_grad()
             rec["updates"].append({
-                "replay_rows": now["replay_rows"],
+                "replay_rows": sum(self.batch.is_replay[i] for i in rows),
                 "pg_on": sum(float(m["pg_loss"]) for m in m_on), "pg_off": sum(float(m["pg_loss"]) for m in m_off),
                 "grad_scale": max(float(g.abs().max()) for g in g_off),
                 "grad_diff": max(float((a - b).abs().max()) for a, b in zip(g_on, g_off, strict=True)),
             })
-            return m_on
 
-        return forward_backward
+        def loss_computed(self, step, update, output, micro_batch, loss, metrics) -> None:
+            rec["threads_train"].add(torch.get_num_threads())
 
-    def train_step(original):
-        def wrapper(c, state, step):
-            if "spied" not in now:
-                now["spied"] = True
-                c.policy.forward_backward = spy_forward_backward(c.policy)
-                rec["resolved"] = c.old_logprobs
-            return original(c, state, step)
-        return wrapper
+        def updated(self, step, update, metrics) -> None:  # the trainer's own update: the switched-on loss
+            rec["updates"][-1]["pg_trainer"] = sum(m["pg_loss"] for m in metrics.loss_metrics)
 
-    def generate(original):
-        def wrapper(*args, **kwargs):
-            rec["threads_generate"].add(torch.get_num_threads())
-            return original(*args, **kwargs)
-        return wrapper
-
-    with (_spy(trainer, "train_step", train_step), _spy(service, "generate_groups", generate),
-          _spy(trainer, "old_logprobs", old_logprobs), _spy(trainer, "micro_batches_for_update", micro_batches)):
-        assert trainer.run_training(cfg) == 0
+    assert run_training(cfg, observers=[Compare()]) == 0
     rec["threads_after"] = torch.get_num_threads()
     rec["metrics"] = _metrics(cfg.logging.run_dir)
     return rec
@@ -489,6 +465,7 @@ def test_old_logprobs_from_the_rollout_give_the_recompute_loss_and_gradients(tmp
     assert sum(u["replay_rows"] for u in got["updates"]) > 0
     for u in got["updates"]:
         assert u["pg_on"] == pytest.approx(u["pg_off"], rel=1e-4, abs=1e-7), u
+        assert u["pg_trainer"] == pytest.approx(u["pg_on"], rel=1e-6, abs=1e-9), u
         assert u["grad_diff"] <= 1e-4 * u["grad_scale"] + 1e-9, u
     logged = got["metrics"]
     replayed = sum(m["experience/n_replayed"] for m in logged)
@@ -514,6 +491,7 @@ def test_old_logprobs_from_the_training_forward_give_the_recompute_loss_and_grad
     assert len(got["updates"]) == STEPS and sum(u["replay_rows"] for u in got["updates"]) > 0
     for u in got["updates"]:
         assert u["pg_on"] == pytest.approx(u["pg_off"], rel=1e-4, abs=1e-7), u
+        assert u["pg_trainer"] == pytest.approx(u["pg_on"], rel=1e-6, abs=1e-9), u
         assert u["grad_diff"] <= 1e-4 * u["grad_scale"] + 1e-9, u
     for m in got["metrics"]:
         assert m["old_logprobs/forward_rows"] == 0.0
