@@ -6,7 +6,7 @@ the shared machine hits both alike:
 * ``default``: the config as it is (every switch at its configured default);
 * ``default_1_thread``: the default with ``trainer.train_threads=1`` (diagnostic: the threads' share alone);
 * ``default_bf16``: the default with ``model.params_dtype=bf16`` (auto gives the demo fp32: its hidden size 128 is
-  below config/cpu_precision.py's threshold; this arm is the measurement behind it);
+  below machine/cpu_precision.py's threshold; this arm is the measurement behind it);
 * ``today``: every switch of `SWITCHES` at its old value: old log-probs recomputed by a second forward pass,
   1 thread, no sequence packing, no fused output layer, megatron's unfused core attention, torch's RMSNorm and
   megatron's RoPE.

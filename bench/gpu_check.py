@@ -161,7 +161,7 @@ def _numerics_arm(dtype: str, rollouts: str, smoke: bool) -> dict:
     from exgrpo_megatron.components import build_components
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.distributed.runtime import destroy_distributed, init_distributed
-    from exgrpo_megatron.experience.schedule import Phase
+    from exgrpo_megatron.experience.phase import Phase
     from exgrpo_megatron.policy.train_batch import build_rollout_rows, token_stats
     from exgrpo_megatron.reward.rollout_rewards import rewards_per_group
     from exgrpo_megatron.rollout.types import Sample

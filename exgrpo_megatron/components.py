@@ -10,7 +10,7 @@ from typing import Any
 from exgrpo_megatron.algo.protocol import RLAlgorithm
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.derived import updates_per_step
-from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
+from exgrpo_megatron.config.pi_old_source import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import ExperienceConfig, RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.datasets import PromptDataset
@@ -19,7 +19,7 @@ from exgrpo_megatron.data.synthetic import arithmetic_split_datasets
 from exgrpo_megatron.data.token_cache import cached_prompt_dataset
 from exgrpo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from exgrpo_megatron.distributed.runtime import ParallelLayout
-from exgrpo_megatron.experience.schedule import ExperienceSchedule
+from exgrpo_megatron.experience.phase import ExperienceSchedule
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.reward.answer_check import require_parsable_answers

@@ -26,10 +26,10 @@ from exgrpo_megatron.checkpoint import (
 from exgrpo_megatron.components import Components
 from exgrpo_megatron.config.loader import to_yaml
 from exgrpo_megatron.config.resume_changes import check_resume_config
-from exgrpo_megatron.evaluation_loop import validate_accuracy
-from exgrpo_megatron.experience.schedule import legacy_state
+from exgrpo_megatron.experience.phase import legacy_state
 from exgrpo_megatron.logging import MetricsLogger, ProgressBar, save_resolved_config
 from exgrpo_megatron.policy.warm_start import warm_start_weights
+from exgrpo_megatron.validation import validate_accuracy
 
 
 class Stateful(Protocol):

@@ -1,4 +1,5 @@
-"""Observing training: what each verb of a step produced, handed to observers (`run_training(cfg, observers=[...])`).
+"""Observing training: what each verb of a step produced, handed to observers (`run_training(cfg, observers=[...])`, or
+`train.main(argv, observers=[...])` for the whole entry point).
 
 A `StepObserver` overrides the hooks it needs (all do nothing here); `StepObservers` calls every observer's hook in
 order, with the step number. Observers receive the trainer's own objects: they look, they do not steer (mutating
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from exgrpo_megatron.data.step_plan import QuestionGroup
-    from exgrpo_megatron.experience.schedule import Phase
+    from exgrpo_megatron.distributed.runtime import ParallelLayout
+    from exgrpo_megatron.experience.phase import Phase
     from exgrpo_megatron.policy.batch import MicroBatch
     from exgrpo_megatron.policy.output_layer import LastStageOutput
     from exgrpo_megatron.policy.train_batch import RolloutRows, TrainBatch
@@ -26,7 +28,10 @@ if TYPE_CHECKING:
 
 
 class StepObserver:
-    """The hooks, in the order a step calls them."""
+    """The hooks, in the order a run calls them."""
+
+    def distributed(self, layout: ParallelLayout) -> None:
+        """The process groups exist (`init_distributed` returned); nothing else of the run is built."""
 
     def started(self, c: Any) -> None:
         """The run's components are built (before a checkpoint is resumed); `c` is the `components.Components` (not
@@ -82,6 +87,10 @@ class StepObservers:
         self.step = step
         for o in self.observers:
             o.step_started(step)
+
+    def distributed(self, layout: ParallelLayout) -> None:
+        for o in self.observers:
+            o.distributed(layout)
 
     def started(self, c: Any) -> None:
         for o in self.observers:

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptedDuringStartup, PreemptionHandler
 
 if TYPE_CHECKING:
     from exgrpo_megatron.config.schema import RootConfig
+    from exgrpo_megatron.step_observer import StepObserver
 
 EXIT_INVALID_CONFIG = 2
 
@@ -39,14 +41,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="world size to validate against (default: from torchrun/Slurm, else 1)")
     parser.add_argument("--phase-times", metavar="RUN_DIR", default=None,
                         help="dry run: the generate/train seconds of the generation-ahead plan from this run's "
-                             "metrics.jsonl (default: a documented ratio, config/generation_split.py)")
+                             "metrics.jsonl (default: a documented ratio, planning/generation_split.py)")
     return parser.parse_known_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, observers: Sequence[StepObserver] = ()) -> int:
+    """The entry point; `observers` receive the run's hooks (step_observer.py), as with run_training."""
     preemption = PreemptionHandler().install(startup=True)
     try:
-        return _main(argv, preemption)
+        return _main(argv, preemption, observers)
     except BaseException as exc:
         # only start-up: a failure in training after a step-boundary stop is a real failure, not a requeue
         if not preemption.interrupted_startup or isinstance(exc, SystemExit):
@@ -57,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         return REQUEUE_EXIT_CODE
 
 
-def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
+def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequence[StepObserver]) -> int:
     from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.config.loader import load_config
-    from exgrpo_megatron.config.moe_checks import moe_startup_errors
-    from exgrpo_megatron.config.validate import ConfigError, validate, vllm_startup_errors
+    from exgrpo_megatron.config.validate import ConfigError, validate
     from exgrpo_megatron.distributed.launch_env import launch_env
+    from exgrpo_megatron.planning.startup_checks import moe_startup_errors, vllm_startup_errors
 
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     world_size = args.world_size or launch_env().world_size
@@ -79,8 +82,8 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
         return EXIT_INVALID_CONFIG
     if dry_run:
         from exgrpo_megatron.config.domains import path_errors
-        from exgrpo_megatron.config.dry_run import dry_run_report
-        from exgrpo_megatron.config.generation_split import read_phase_times
+        from exgrpo_megatron.planning.dry_run import dry_run_report
+        from exgrpo_megatron.planning.generation_split import read_phase_times
 
         try:
             times = read_phase_times(args.phase_times) if args.phase_times else None
@@ -95,10 +98,11 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler) -> int:
     if startup_errors:
         print(f"exgrpo-train: {ConfigError(startup_errors)}", file=sys.stderr)
         return EXIT_INVALID_CONFIG
-    return train_config(cfg, preemption)
+    return train_config(cfg, preemption, observers)
 
 
-def train_config(cfg: RootConfig, preemption: PreemptionHandler | None = None) -> int:
+def train_config(cfg: RootConfig, preemption: PreemptionHandler | None = None,
+                 observers: Sequence[StepObserver] = ()) -> int:
     """Train a validated config: the global rank 0 takes the run directory's lock first (before anything is
     written), then run_training; refusals at start-up (a config the checkpoint does not fit, an init_from or
     checkpoint that fails verification with none to fall back to) exit EXIT_INVALID_CONFIG, a failed save exits 1
@@ -120,7 +124,7 @@ def train_config(cfg: RootConfig, preemption: PreemptionHandler | None = None) -
     from exgrpo_megatron.trainer import run_training
 
     try:
-        return run_training(cfg, preemption)
+        return run_training(cfg, preemption, observers)
     except (EmptyDatasetError, DataFileError, ConfigError, IncompatibleCheckpointError, CheckpointFormatError) as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)
         return EXIT_INVALID_CONFIG

@@ -27,12 +27,12 @@ from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import QuestionGroup, compose_step, local_groups
 from exgrpo_megatron.distributed.preemption import PreemptionHandler
 from exgrpo_megatron.distributed.runtime import init_distributed
-from exgrpo_megatron.experience.schedule import Phase, solved_fraction
+from exgrpo_megatron.experience.phase import Phase, solved_fraction
 from exgrpo_megatron.experience.types import GroupOutcome
 from exgrpo_megatron.logging.startup import startup_block
 from exgrpo_megatron.policy.objective import rl_loss_fn
 from exgrpo_megatron.policy.old_logprobs import old_logprobs, replay_current_logprobs
-from exgrpo_megatron.policy.scoring import make_scorer
+from exgrpo_megatron.policy.replay_scores import make_scorer
 from exgrpo_megatron.policy.train_batch import (
     RolloutRows,
     TrainBatch,
@@ -272,18 +272,20 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
     a signal during start-up raises PreemptedDuringStartup (distributed/preemption.py). `observers`: receive each
     step's results (step_observer.py)."""
     preemption = preemption or PreemptionHandler().install(startup=True)
+    watching = StepObservers(observers)
     p = cfg.parallel
     layout = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                               p.virtual_pipeline_model_parallel_size, p.context_parallel_size, seed=cfg.seed,
                               expert_model_parallel_size=p.expert_model_parallel_size,
                               expert_tensor_parallel_size=p.expert_tensor_parallel_size)
+    watching.distributed(layout)
     if layout.rank == 0:
         print(startup_block(cfg, layout), flush=True)
     c = build_components(cfg, layout)
-    c.observers = StepObservers(observers)
+    c.observers = watching
     c.policy.pass_observers.append(c.observers.policy_pass)
-    c.observers.started(c)
     try:
+        c.observers.started(c)
         state = RunState.start(c, preemption)
     except BaseException:
         c.close()

@@ -15,7 +15,7 @@ from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.algo.variants.dapo import DAPO
 from exgrpo_megatron.algo.variants.exgrpo import ExGRPO
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.experience.schedule import Phase
+from exgrpo_megatron.experience.phase import Phase
 from exgrpo_megatron.step_observer import StepObserver
 from tests.helpers.demo_digest import overrides, warm_start
 from tests.helpers.multirank import run_on_ranks

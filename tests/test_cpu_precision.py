@@ -1,4 +1,4 @@
-"""model.params_dtype=auto on CPU (config/cpu_precision.py): bf16 exactly where the CPU has a bf16 matrix unit
+"""model.params_dtype=auto on CPU (machine/cpu_precision.py): bf16 exactly where the CPU has a bf16 matrix unit
 (AMX-BF16 or AVX512-BF16, from /proc/cpuinfo's flags) and the model is at least BF16_MIN_HIDDEN_SIZE wide; fp32
 elsewhere, so the demo and the fidelity preset (hidden 128) stay fp32 on every CPU, and fp32 stays one override
 away for SmolLM2."""
@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from exgrpo_megatron.config import derived
-from exgrpo_megatron.config.cpu_precision import (
+from exgrpo_megatron.config.loader import load_config
+from exgrpo_megatron.config.pi_old_source import resolve_old_logprobs_for
+from exgrpo_megatron.machine.cpu_precision import (
     BF16_MIN_HIDDEN_SIZE,
     bf16_matrix_unit,
     cpu_auto_is_bf16,
     cpu_precision_line,
     read_cpu_flags,
 )
-from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
 
 ZEN4 = frozenset("fpu sse avx2 avx512f avx512bw avx512_bf16 avx512_vnni".split())
 SAPPHIRE_RAPIDS = frozenset("avx512f avx512_bf16 amx_bf16 amx_tile amx_int8".split())

@@ -299,7 +299,7 @@ def test_mixed_phase_clip_switch(clip):
     """algo.mixed_phase_clip (issue-15 diagnostic), through Algorithm.loss: a fresh token whose ratio is past 1 + eps
     with A > 0 gets the plain gradient -A rho in the paper's unclipped mixed phase and none when clipped; the replayed
     token's f(w) gradient is the same either way; the warm-up phase clips in both settings."""
-    from exgrpo_megatron.experience.schedule import Phase
+    from exgrpo_megatron.experience.phase import Phase
 
     cfg = load_config("fidelity_cpu", [f"algo.mixed_phase_clip={str(clip).lower()}"])
     algo = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)

@@ -1,4 +1,4 @@
-"""The generation-ahead GPU plan (config/generation_split.py), its dry-run section, and the Slurm launch with
+"""The generation-ahead GPU plan (planning/generation_split.py), its dry-run section, and the Slurm launch with
 --max-staleness (faked Slurm, the helpers of test_slurm_and_presets)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_megatron.config.generation_split import (
+from exgrpo_megatron.planning.generation_split import (
     DEFAULT_PHASE_TIMES,
     PhaseTimes,
     best_split,

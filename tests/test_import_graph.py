@@ -1,5 +1,5 @@
 """The package's import graph has no cycles: no module imports itself through others, and the folders form
-layers — each folder imports only folders below it (so no two folders import each other, and config/ at the
+layers — each folder imports only folders below it (so no two folders import each other, and machine/ at the
 bottom imports nothing else of the package). Imports inside functions and TYPE_CHECKING blocks count: a
 lazy import is still a dependency."""
 
@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Bottom-up: a folder (or top-level module) may import only those listed before it.
 LAYERS: tuple[str, ...] = (
-    "config",  # the schema, its domains, validation, values derived from it: stdlib + torch only
+    "machine",  # what this machine offers (its CPU's bf16 unit): stdlib + torch only
+    "config",  # the schema, its domains, validation, values derived from it
+    "planning",  # the dry run, the model's size, the generating-ahead GPU split, start-up checks
     "distributed",  # launch environment, process groups, CPU shims, preemption signals
     "experience",  # the experience pool and the phase schedule (warm-up -> collecting -> mixed)
     "algo",  # the algorithm object (reads the phase), advantages and the loss: pure tensor functions
@@ -31,7 +33,7 @@ LAYERS: tuple[str, ...] = (
     "components",  # what a run is built from
     "ahead",  # generating ahead of training: the schedule, the generator process, the link
     "evaluate",  # the benchmark evaluation CLI
-    "evaluation_loop",
+    "validation",  # in-training validation (avg@k on the held-out set)
     "run_state",
     "trainer",
     "train",  # the training CLI
@@ -139,7 +141,7 @@ def test_folders_import_only_the_layers_below_them():
     edges = import_graph(REPO)
     assert layering_violations(edges) == []
     assert mutual_folder_pairs(edges) == set()
-    assert all(folder(t) == "config" for m, ts in edges.items() if folder(m) == "config" for t in ts)
+    assert all(folder(t) == "machine" for m, ts in edges.items() if folder(m) == "machine" for t in ts)
 
 
 def test_the_checks_catch_a_cycle_and_an_upward_import(tmp_path):

@@ -10,12 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from exgrpo_megatron.config.dry_run import count_parameters
 from exgrpo_megatron.config.families import FAMILIES
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.schema import CHOICES, ModelConfig
 from exgrpo_megatron.convert.hf_config import hf_config_from_model_config, model_config_from_hf
 from exgrpo_megatron.convert.hf_mapping import megatron_param_names, megatron_shape, megatron_to_hf
+from exgrpo_megatron.planning.model_size import count_parameters
 from tests.helpers.multirank import run_on_ranks
 
 
@@ -152,7 +152,7 @@ def test_a_checkpoint_of_another_family_is_refused_naming_the_family():
 def test_qwen3_8b_memory_estimate_matches_formulas():
     """The preset's plan (TP=2, sequence parallel, full recompute, distributed optimizer over DP=4), by hand: the
     QK-norms' weights are replicated over TP, and their inputs (q and k) are kept per layer."""
-    from exgrpo_megatron.config.dry_run import estimate_memory
+    from exgrpo_megatron.planning.dry_run import estimate_memory
 
     cfg = load_config("exgrpo_qwen3_8b")
     est = estimate_memory(cfg, 8)

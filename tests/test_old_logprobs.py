@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs, resolve_old_logprobs_for, rollout_logprobs_exact
+from exgrpo_megatron.config.pi_old_source import resolve_old_logprobs, resolve_old_logprobs_for, rollout_logprobs_exact
 from exgrpo_megatron.config.validate import config_errors
 from exgrpo_megatron.experience.selection import choose_trajectories
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool

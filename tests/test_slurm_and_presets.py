@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from exgrpo_megatron.algo.registry import build_algorithm
-from exgrpo_megatron.config.dry_run import count_parameters, dry_run_report, estimate_memory
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import validate
 from exgrpo_megatron.distributed.launch_env import first_host
+from exgrpo_megatron.planning.dry_run import dry_run_report, estimate_memory
+from exgrpo_megatron.planning.model_size import count_parameters
 from exgrpo_megatron.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,8 @@ import torch
 
 from exgrpo_megatron.config.derived import vllm_dtype
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.config.validate import ConfigError, validate, vllm_startup_errors
+from exgrpo_megatron.config.validate import ConfigError, validate
+from exgrpo_megatron.planning.startup_checks import vllm_startup_errors
 from exgrpo_megatron.rollout.factory import build_rollout_engine
 
 VLLM = ["rollout.engine=vllm", "data.tokenizer=char"]

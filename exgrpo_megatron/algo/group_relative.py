@@ -18,7 +18,7 @@ from exgrpo_megatron.algo.loss import Clip, TruncatedIS, loss_normalisers, trunc
 from exgrpo_megatron.algo.loss_metrics import StepMetric, declared_metrics, metric_reduce_op, summarize_loss_metrics
 from exgrpo_megatron.algo.policy_loss import LossBatch, LossSpec, ReplayTerm, ShapedReplay, policy_loss
 from exgrpo_megatron.config.schema import AlgoConfig
-from exgrpo_megatron.experience.schedule import Phase
+from exgrpo_megatron.experience.phase import Phase
 
 
 @dataclass(frozen=True)

@@ -367,7 +367,7 @@ def load_checkpoint(
     if config_groups is not None:
         reapply_config_group_values(optimizer, config_groups)  # the config's LR / Adam settings, not the saved
     if scheduler_state is not None:
-        restore_scheduler(opt_param_scheduler, scheduler_state)  # the changes are reported by config_change.py
+        restore_scheduler(opt_param_scheduler, scheduler_state)  # the changes are reported by config/resume_changes.py
 
     rng_restored = False
     if load_rng:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from exgrpo_megatron.config.cpu_precision import cpu_auto_is_bf16, this_cpu_bf16_unit
 from exgrpo_megatron.config.schema import ModelConfig, TrainerConfig
+from exgrpo_megatron.machine.cpu_precision import cpu_auto_is_bf16, this_cpu_bf16_unit
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +38,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int = 1) -> i
 
 def resolve_params_dtype(cfg: ModelConfig) -> torch.dtype:
     """`model.params_dtype`: auto = bf16 on GPU; on CPU bf16 where the CPU has bf16 matrix units and the model is
-    large enough (config/cpu_precision.py), else fp32."""
+    large enough (machine/cpu_precision.py), else fp32."""
     import torch
 
     if cfg.params_dtype == "auto":

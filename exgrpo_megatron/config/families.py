@@ -9,7 +9,7 @@ tied embeddings, head dim) are `ModelConfig`'s; the family gives the value HF's 
 
 Read by: the model builder (model/builder.py: TransformerConfig and both layer specs), both converters
 (convert/hf_config.py: config.json <-> ModelConfig; convert/hf_mapping.py: which tensors exist and their HF
-names, which the vLLM refit streams), the dry run's parameter count (config/dry_run.py) and start-up validation.
+names, which the vLLM refit streams), the dry run's parameter count (planning/dry_run.py) and start-up validation.
 
 Adding a dense family that megatron-core can express (RMSNorm, SwiGLU, RoPE, GQA) is one entry in `FAMILIES`
 plus its conversion test against transformers' own model class (docs/models.md).

@@ -47,14 +47,3 @@ def moe_config_errors(cfg: RootConfig, world_size: int) -> list[str]:
         e.append(f"model.num_experts: model.family={m.family} is a dense family (config/families.py); "
                  f"mixture-of-experts families: {sorted(n for n, f in FAMILIES.items() if f.moe is not None)}")
     return e
-
-
-def moe_startup_errors(cfg: RootConfig) -> list[str]:
-    """What a training run (not the dry run, which plans these layouts) cannot do yet with expert parallelism."""
-    p = cfg.parallel
-    if p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size == 1:
-        return []
-    return [f"parallel.expert_model_parallel_size: EP={p.expert_model_parallel_size}, "
-            f"ETP={p.expert_tensor_parallel_size}: training updates run at EP > 1, but generation does not yet "
-            "(the megatron engine's decode loop does not keep the EP ranks in step; the vLLM refit gathers weights "
-            "over TP and PP only); train at EP=1 (docs/moe.md)"]

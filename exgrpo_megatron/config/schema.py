@@ -32,7 +32,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
-    params_dtype: str = "auto"  # auto (bf16 on GPU; CPU: config/cpu_precision.py) | fp32 | bf16
+    params_dtype: str = "auto"  # auto (bf16 on GPU; CPU: machine/cpu_precision.py) | fp32 | bf16
     layer_spec: str = "auto"  # auto (TE when importable with CUDA) | te | local
     core_attention: str = "sdpa"  # local spec: sdpa (torch fused kernel) | megatron (DotProductAttention)
     fused_norm_rope: bool = True  # local spec: RMSNorm and RoPE as one autograd function each (model/fused_ops.py)
@@ -124,7 +124,7 @@ class AlgoConfig:
     loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean | seq_mean
     replay_is_correction: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs (was exp_is_correct)
     replay_tis_cap: float = 0.0  # > 0: replayed tokens train as fresh ones x min(pi_old / pi_past, cap); 0 = f(w)
-    old_logprobs: str = "auto"  # auto | rollout | training_forward | recompute (config/old_logprobs.py)
+    old_logprobs: str = "auto"  # auto | rollout | training_forward | recompute (config/pi_old_source.py)
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20
     loss_seqs_per_rank_ref: float = 64.0  # token_sum_constant: the original's sequences per rank (64x8 seqs / 8 GPUs)

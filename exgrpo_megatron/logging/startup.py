@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from exgrpo_megatron.algo.registry import build_algorithm
-from exgrpo_megatron.config.cpu_precision import cpu_precision_line, this_cpu_bf16_unit
 from exgrpo_megatron.config.derived import resolve_params_dtype
-from exgrpo_megatron.config.dry_run import generation_line, replay_line
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.cpu_warnings import cpu_run_banner
 from exgrpo_megatron.distributed.runtime import ParallelLayout
+from exgrpo_megatron.machine.cpu_precision import cpu_precision_line, this_cpu_bf16_unit
 from exgrpo_megatron.model.builder import resolve_layer_spec
+from exgrpo_megatron.planning.dry_run import generation_line, replay_line
 
 PREFIX = "exgrpo-train: "
 

@@ -62,7 +62,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
         # Fusions off: they keep low-precision intermediates that widen the train/inference
-        # log-prob mismatch (anchors.md E.3), and they do not exist on CPU.
+        # log-prob mismatch (docs/precision.md), and they do not exist on CPU.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -83,7 +83,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
         recompute_granularity="full" if cfg.recompute_activations else None,
         recompute_method="uniform" if cfg.recompute_activations else None,
         recompute_num_layers=1 if cfg.recompute_activations else None,
-        # Loss is a global token sum we normalise ourselves (algo/aggregation.py).
+        # Loss is a global token sum we normalise ourselves (algo/loss.py).
         calculate_per_token_loss=True,
         **moe_transformer_config(cfg, parallel),
     )

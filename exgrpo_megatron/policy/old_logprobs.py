@@ -7,11 +7,11 @@ policy does, those ARE pi_old and a second forward pass buys nothing:
   - vLLM in fp32 with top_p = 1 and top-k off (with top-p/top-k vLLM versions differ on renormalisation).
 Elsewhere (a bf16 engine, or generation ahead of training) pi_old is the trainer's: the update's own forward
 (`training_forward`, one update per step: this module then returns None and the loss detaches its log-probs) or a
-forward pass of every row here (`recompute`); config/old_logprobs.py decides which.
+forward pass of every row here (`recompute`); config/pi_old_source.py decides which.
 
 Replayed rows were sampled long ago (their recorded log-probs are pi_behaviour, the replay ratio's denominator,
 docs/exgrpo.md), so their pi_old still needs the current weights. The trajectory-selection pass
-(policy/scoring.py) already ran every candidate through the current policy before any update of this step; it
+(policy/replay_scores.py) already ran every candidate through the current policy before any update of this step; it
 keeps the log-probs at the rollout (= loss) temperature and the chosen trajectory's travel with the replay choice.
 Only replayed rows the selection did not score (a single stored candidate, metric random) are run forward here.
 """

@@ -1,7 +1,7 @@
 """The trainable policy on this rank: megatron model chunks under DDP, optimizer, LR schedule,
 and one forward/backward over micro-batches on megatron's pipeline schedule.
 
-Loss normalisation contract (NeMo-RL's, anchors.md section C): the loss of each micro-batch is its
+Loss normalisation contract (NeMo-RL's; algo/loss.py computes the normalisers): the loss of each micro-batch is its
 token sum divided by a *global* normaliser computed before micro-batching, so the gradient of the
 mini-batch is the plain sum over micro-batches and DP ranks. Megatron is told exactly that:
 `calculate_per_token_loss=True` (the schedule does not divide by the number of micro-batches),

@@ -18,7 +18,7 @@ megatron name, full TP=1-layout tensor). Names and sharding come from model/para
 Buckets are consecutive runs of one stage's parameters in `named_parameters()` order, closed as
 soon as they reach `bucket_bytes` (or when the dtype changes), so every tensor appears exactly once,
 the order is stable, and every bucket but a stage's last is >= the threshold (slime-style flattened
-buckets, anchors.md §C).
+buckets).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.config.validate import vllm_startup_errors
+from exgrpo_megatron.planning.startup_checks import vllm_startup_errors
 
 
 def test_a_memory_share_vllm_cannot_fit_is_refused():

