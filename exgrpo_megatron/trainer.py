@@ -139,6 +139,7 @@ def step_report(c: Components, trained: TrainMetrics, grader_deaths: int, timer:
         "old_logprobs/forward_rows": reduced.sums["forward_rows"],
         "train/padding_share": c.policy.take_padding_share(),  # padding / token slots through the model
         **c.policy.expert_load.take_metrics(c.dp_group),  # MoE: tokens per expert (model/expert_load.py)
+        **c.policy.routing.take_metrics(c.dp_group),  # MoE: rollout vs training routing (model/routing_replay.py)
     })
     out.update(step_times(timer, refit_seconds))
     out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(timer.total(), 1e-9)

@@ -43,7 +43,32 @@ def moe_config_errors(cfg: RootConfig, world_size: int) -> list[str]:
                  "te or auto on GPU); the local spec runs the experts one by one")
     if m.moe_token_dispatcher == "flex" and m.layer_spec == "local":
         e.append("model.moe_token_dispatcher: flex (DeepEP) runs on GPU with the Transformer Engine spec")
+    e += routing_replay_errors(cfg)
     if m.family in FAMILIES and FAMILIES[m.family].moe is None:
         e.append(f"model.num_experts: model.family={m.family} is a dense family (config/families.py); "
                  f"mixture-of-experts families: {sorted(n for n, f in FAMILIES.items() if f.moe is not None)}")
+    return e
+
+
+def routing_replay_errors(cfg: RootConfig) -> list[str]:
+    """What `model.moe_routing_replay` (model/routing_replay.py) cannot honour: the choices are recorded by the
+    megatron engine in the trainer's process, and imposed token by token on an unsplit sequence."""
+    m, p = cfg.model, cfg.parallel
+    if not m.moe_routing_replay:
+        return []
+    key, e = "model.moe_routing_replay", []
+    if cfg.rollout.engine != "megatron":
+        e.append(f"{key}: needs the experts recorded at generation, which only rollout.engine=megatron does yet "
+                 f"(got {cfg.rollout.engine}; vLLM's enable_return_routed_experts is not wired here)")
+    if cfg.rollout.max_staleness > 0:
+        e.append(f"{key}: the generator process generating ahead (rollout.max_staleness > 0) does not record the "
+                 "experts yet")
+    if m.recompute_activations:
+        e.append(f"{key}: full activation recompute re-runs the routers in the backward pass, where the replayed "
+                 "choices are not kept yet; set model.recompute_activations=false")
+    split = {"parallel.tensor_model_parallel_size": p.tensor_model_parallel_size,
+             "parallel.pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+             "parallel.context_parallel_size": p.context_parallel_size}
+    e += [f"{k}: {v} with {key} is not supported yet (tested: the whole sequence and every layer on one rank; "
+          "expert parallelism is)" for k, v in split.items() if v > 1]
     return e

@@ -46,6 +46,7 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0  # router z-loss coefficient; 0 = off
     moe_grouped_gemm: bool = False  # GPU (TE spec): all local experts in one grouped GEMM
     moe_token_dispatcher: str = "allgather"  # allgather | alltoall (GPU at scale) | flex (DeepEP, GPU)
+    moe_routing_replay: bool = False  # train on the experts the rollout routed each token to (model/routing_replay.py)
     hf_path: Optional[str] = None  # HF directory: tokenizer files (and weights for conversion)
 
 

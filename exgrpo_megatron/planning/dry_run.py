@@ -166,7 +166,9 @@ def _expert_layout_lines(cfg: RootConfig, world_size: int) -> list[str]:
     ep, etp, pp = p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.pipeline_model_parallel_size
     return [f"  experts: EP={ep}  ETP={etp}  expert-DP={world_size // (ep * etp * pp)}: each GPU holds "
             f"{m.num_experts // ep} of the {m.num_experts} experts of each of its layers (1/{etp} of each), "
-            f"{m.moe_router_topk} routed per token over the {m.moe_token_dispatcher} dispatcher"]
+            f"{m.moe_router_topk} routed per token over the {m.moe_token_dispatcher} dispatcher; routing replay "
+            + ("on: the updates route each token to the experts the rollout chose" if m.moe_routing_replay else
+               "off (model.moe_routing_replay)")]
 
 
 def _model_lines(cfg: RootConfig) -> list[str]:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from exgrpo_megatron.algo.sequences import Sequences
@@ -54,6 +55,13 @@ class MicroBatch:
     prompt_lengths: list[int] = field(default_factory=list)  # prompt token count of each row's sequence
     cu_seqlens: torch.Tensor | None = None  # packed: int32 [rows + 1] sequence starts; None = padded rows
     loss_inputs: LossInputs | None = None  # the RL loss's per-token inputs (None: forward-only passes)
+    # MoE: each row's recorded expert choices ([tokens, layers, k]) or None (model/routing_replay.py)
+    expert_choices: list[np.ndarray | None] | None = None
+
+    @property
+    def row_starts(self) -> list[tuple[int, int]]:
+        """(row, column) of each sequence's first token."""
+        return [self.row_start(b) for b in range(len(self.rows))]
 
     @property
     def labels(self) -> torch.Tensor:
@@ -90,7 +98,8 @@ class MicroBatch:
         cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
         inputs = None if self.loss_inputs is None else self.loss_inputs.to(device)
         return MicroBatch(self.tokens.to(device), self.loss_mask.to(device), self.sequences.to(device),
-                          list(self.rows), list(self.lengths), list(self.prompt_lengths), cu, inputs)
+                          list(self.rows), list(self.lengths), list(self.prompt_lengths), cu, inputs,
+                          self.expert_choices)
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:

@@ -52,8 +52,10 @@ def old_logprobs(policy: Policy, batch: RolloutRows, replay_current: list[np.nda
         forward = [i for i in range(n) if batch.is_replay[i] and replay_current[i] is None]
     else:
         raise ValueError(f"old log-prob source must be 'rollout', 'training_forward' or 'recompute', got {source!r}")
+    experts = None if batch.expert_choices is None else [batch.expert_choices[i] for i in forward]
     computed = token_stats(policy, [batch.sequences[i] for i in forward], [batch.prompt_lengths[i] for i in forward],
-                           temperature=temperature, with_entropy=False, max_tokens=max_tokens).logprobs
+                           temperature=temperature, with_entropy=False, max_tokens=max_tokens,
+                           expert_choices=experts).logprobs
     old: list[torch.Tensor | None] = [None] * n
     for i, lp in zip(forward, computed, strict=True):
         old[i] = lp

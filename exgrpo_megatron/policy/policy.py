@@ -28,6 +28,7 @@ from exgrpo_megatron.distributed.threads import torch_threads, train_threads_fro
 from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
 from exgrpo_megatron.model.expert_load import ExpertLoad
 from exgrpo_megatron.model.layout_init import initialise
+from exgrpo_megatron.model.routing_replay import RoutingReplay
 from exgrpo_megatron.policy.batch import MicroBatch, forward_inputs
 from exgrpo_megatron.policy.expert_sync import equalise_micro_batch_count, is_padding, router_losses_off
 from exgrpo_megatron.policy.output_layer import LastStageOutput, stop_before_output_layer
@@ -112,6 +113,8 @@ class Policy:
         # MoE with EP > 1: the EP ranks hold different data but run every forward together (policy/expert_sync.py)
         self.ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
         self.expert_load = ExpertLoad(self.modules)  # MoE: tokens per expert of the training updates
+        # MoE: the engine records each token's experts; every pass compares (and with moe_routing_replay replays) them
+        self.routing = RoutingReplay(self.modules, replay=cfg.model.moe_routing_replay)
 
     # ---------------------------------------------------------------- weights
     def mark_weights_changed(self) -> None:
@@ -146,7 +149,9 @@ class Policy:
         mb: MicroBatch = next(data_iterator)
         with stop_before_output_layer(model, self.fused_output_logprobs) as output_weight, \
                 (router_losses_off(self.modules[0].config) if is_padding(mb) else nullcontext()), \
-                self.expert_load.counting(self._counting_load and not is_padding(mb)):
+                self.expert_load.counting(self._counting_load and not is_padding(mb)), \
+                self.routing.applying(tuple(mb.tokens.shape), mb.row_starts, mb.expert_choices,
+                                      count=self._counting_load and not is_padding(mb)):
             output = model(**forward_inputs(mb, causal_mask=self.use_mask))
 
         def loss_func(model_output: torch.Tensor) -> tuple[Any, ...]:

@@ -11,10 +11,11 @@ replayed trajectory its recorded ones) and a replay flag -- the `RolloutRows`, b
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from exgrpo_megatron.policy.batch import LossInputs, MicroBatch, make_micro_batches, scatter_rows
@@ -34,6 +35,8 @@ class RolloutRows:
     advantages: list[float]  # per sequence (group-relative)
     is_replay: list[bool]
     group_index: list[int]  # the row's group among this rank's groups
+    # MoE: the experts the engine routed each fed token to (rollout/types.Sample); None: none recorded
+    expert_choices: list[np.ndarray | None] | None = field(default=None, kw_only=True)
 
     @cached_property  # works on a frozen dataclass (it writes the instance __dict__; no __slots__ here)
     def response_lengths(self) -> list[int]:
@@ -65,6 +68,7 @@ def build_rollout_rows(groups: list[list[Sample]], rewards: list[list[float]],
                        advantages: Callable[[torch.Tensor], torch.Tensor]) -> RolloutRows:
     """The rows of the graded groups; `advantages`: the algorithm's ([G, K] float64 rewards -> [G, K])."""
     seqs, plens, lps, rs, advs, replay, gidx = [], [], [], [], [], [], []
+    experts: list[np.ndarray | None] = []
     for g, (samples, r) in enumerate(zip(groups, rewards, strict=True)):
         a = advantages(torch.tensor([r], dtype=torch.float64))[0].tolist()
         for s, ri, ai in zip(samples, r, a, strict=True):
@@ -75,7 +79,9 @@ def build_rollout_rows(groups: list[list[Sample]], rewards: list[list[float]],
             advs.append(float(ai))
             replay.append(bool(s.is_replay))
             gidx.append(g)
-    return RolloutRows(seqs, plens, lps, rs, advs, replay, gidx)
+            experts.append(s.expert_choices)
+    recorded = any(e is not None for e in experts)
+    return RolloutRows(seqs, plens, lps, rs, advs, replay, gidx, expert_choices=experts if recorded else None)
 
 
 class TokenStats(NamedTuple):
@@ -85,9 +91,11 @@ class TokenStats(NamedTuple):
 
 
 def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list[int], *, temperature: float,
-                with_entropy: bool, max_tokens: int, logprob_temperature: float | None = None) -> TokenStats:
+                with_entropy: bool, max_tokens: int, logprob_temperature: float | None = None,
+                expert_choices: list[np.ndarray | None] | None = None) -> TokenStats:
     """Per-row log-probs (and entropies) of the response tokens under the current weights, one forward pass;
-    with `logprob_temperature`, also the log-probs at that temperature from the same logits."""
+    with `logprob_temperature`, also the log-probs at that temperature from the same logits; `expert_choices`: the
+    rows' recorded MoE routing (replayed as in the updates)."""
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     keys += ["logprobs_at"] if logprob_temperature is not None else []
     got: dict[str, list[torch.Tensor]]
@@ -97,6 +105,7 @@ def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list
         lengths = [len(s) for s in sequences]
         mbs = make_micro_batches(sequences, prompt_lengths, list(range(len(sequences))), max_tokens,
                                  policy.sequence_packing)
+        with_expert_choices(mbs, expert_choices)
         stats_fn = token_stats_fn(temperature, with_entropy, policy.model_cfg.vocab_size, logprob_temperature)
         out = policy.forward_backward(mbs, stats_fn, forward_only=True)
         got = {k: scatter_rows([o[k] for o in out], mbs, lengths, prompt_lengths) for k in keys}
@@ -111,8 +120,16 @@ def micro_batches_for_update(batch: TrainBatch, rows: list[int], max_tokens: int
     advantages = [torch.full((n,), a) for n, a in zip(lengths, batch.advantages, strict=True)]
     replay = [torch.full((n,), float(r)) for n, r in zip(lengths, batch.is_replay, strict=True)]
     mbs = make_micro_batches(batch.sequences, batch.prompt_lengths, rows, max_tokens, packed)
+    with_expert_choices(mbs, batch.expert_choices)
     for mb in mbs:
         old = None if batch.old_logprobs is None else mb.place(batch.old_logprobs)
         mb.loss_inputs = LossInputs(old, mb.place(batch.behaviour_logprobs),
                                     mb.place(advantages), mb.place(replay), measure_mismatch)
     return mbs
+
+
+def with_expert_choices(mbs: list[MicroBatch], per_row: list[np.ndarray | None] | None) -> None:
+    """Give each micro-batch its rows' recorded expert choices (`per_row` indexed like the batch's rows)."""
+    if per_row is not None:
+        for mb in mbs:
+            mb.expert_choices = [per_row[r] for r in mb.rows]

@@ -46,9 +46,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from exgrpo_megatron.model.routing_replay import recording, router_choices
 from exgrpo_megatron.rollout.kv_decode import KVCacheStage, attention_mask, profile_range, unsupported_reason
 from exgrpo_megatron.rollout.sampling import (
     find_stop_string,
@@ -175,6 +177,7 @@ class MegatronRolloutEngine:
         self.pad_free_batches = pad_free_batches
         self.tokens_per_second = 0.0
         self.last_stats: dict[str, float] = {}
+        self.routers = router_choices(self.model)  # MoE: each token's experts are recorded (model/routing_replay.py)
 
     # ---------------------------------------------------------------- RolloutEngine protocol
     def update_weights(self) -> None:
@@ -229,7 +232,6 @@ class MegatronRolloutEngine:
         device = next(self.model.parameters()).device
         unique = list(dict.fromkeys(i for i, _, _ in chunk))
         slot = {p: k for k, p in enumerate(unique)}
-        expand = torch.tensor([slot[i] for i, _, _ in chunk], device=device)
         prompt_len = max(len(prompts[i]) for i in unique)
         total_len = prompt_len + params.max_new_tokens
         batch = len(chunk)
@@ -242,9 +244,20 @@ class MegatronRolloutEngine:
             valid[k, prompt_len - len(p): prompt_len] = True
 
         stage = self._stage(batch, total_len)
+        with recording(self.routers) as experts:
+            return self._decode_chunk(prompts, chunk, params, stage, tokens, valid, slot, experts)
+
+    def _decode_chunk(self, prompts: list[list[int]], chunk: list[Row], params: SamplingParams, stage,
+                      tokens: torch.Tensor, valid: torch.Tensor, slot: dict[int, int], experts) -> list[Sample]:
+        """Prefill (prompt i in `tokens` row `slot[i]`), then sample and feed one token per step until every row
+        finished; `experts(seq, batch)`: the last forward's expert choices (MoE) or None."""
+        device = tokens.device
+        batch, (n_unique, prompt_len) = len(chunk), tokens.shape
+        expand = torch.tensor([slot[i] for i, _, _ in chunk], device=device)
         with profile_range("prefill"):
             logits = self._forward(stage, tokens, valid, start=0)  # prefill: each distinct prompt once
-            if batch > len(unique):  # ... its KV rows copied to its sample rows
+            prefill_experts = experts(prompt_len, n_unique)  # [s, b, layers, k] or None
+            if batch > n_unique:  # ... its KV rows copied to its sample rows
                 stage.select_rows(expand)
                 valid = valid[expand]
                 logits = logits[expand] if logits is not None else None
@@ -255,6 +268,7 @@ class MegatronRolloutEngine:
         logprobs: list[list[float]] = [[] for _ in chunk]
         finish: list[FinishReason | None] = [None] * batch
         window = stop_window_tokens(params.stop_strings)
+        fed_experts: list[list[np.ndarray]] = [[] for _ in chunk]  # per row: each fed response token's experts
         for step in range(params.max_new_tokens):
             uniforms = torch.tensor([uniform(seeds[a], step) for a in active], dtype=torch.float64)
             new_tokens, new_logprobs = self._sample_and_share(logits, uniforms, params, len(active), device)
@@ -278,10 +292,20 @@ class MegatronRolloutEngine:
             position = prompt_len + step
             valid[:, position] = True
             logits = self._forward(stage, new_tokens[:, None].to(device), valid, start=position)
-        return [
-            Sample(list(prompts[i]), responses[a], logprobs[a], finish[a])  # type: ignore[arg-type]
-            for a, (i, _, _) in enumerate(chunk)
-        ]
+            if prefill_experts is not None:
+                step_experts = experts(1, len(active))
+                for pos, a in enumerate(active):
+                    fed_experts[a].append(step_experts[0, pos])
+        samples = []
+        for a, (i, _, _) in enumerate(chunk):
+            choices = None
+            if prefill_experts is not None:  # the prompt's tokens (left-padded in the prefill), then the fed ones
+                prompt = prefill_experts[prompt_len - len(prompts[i]):, slot[i]]
+                choices = np.concatenate([prompt, np.stack(fed_experts[a]) if fed_experts[a]
+                                          else prompt[:0]])
+            samples.append(Sample(list(prompts[i]), responses[a], logprobs[a], finish[a],  # type: ignore[arg-type]
+                                  expert_choices=choices))
+        return samples
 
     def _finish_reason(
         self, token: int, response: list[int], params: SamplingParams, window: int

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+import numpy as np
+
 FinishReason = Literal["eos", "stop", "length", "replay"]
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class Sample:
     logprobs: list[float]
     finish_reason: FinishReason
     is_replay: bool = False
+    # MoE, the megatron engine: the experts each fed token was routed to, [prompt + response - 1 tokens, MoE layers of
+    # this rank, k] int16 (the last response token is never fed); None otherwise (model/routing_replay.py)
+    expert_choices: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
