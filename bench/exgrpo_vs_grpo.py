@@ -352,6 +352,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=0.5, help="validation accuracy for trajectories-to-threshold")
     p.add_argument("--plan", action="store_true", help="print the runs and the estimated CPU time; run nothing")
     p.add_argument("--analyse-only", action="store_true")
+    p.add_argument("--import-records", metavar="DIR", default=None,
+                   help="first copy the finished records under DIR (the --records of a checkout pinned at the "
+                        "comparison's code version) that --records lacks, compressed; then go on as asked")
     p.add_argument("--step-seconds", type=float, default=None,
                    help="seconds per RL step for --plan (default: median of finished runs, else 6.0)")
     p.add_argument("--warm-start-step-seconds", type=float, default=1.5)
@@ -374,8 +377,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def import_records(src_root: str, dst_root: str) -> list[str]:
+    """The finished records (test_eval.json present) under `src_root` missing from `dst_root`, kept there."""
+    added = []
+    for name in sorted(os.listdir(src_root)):
+        src, dst = os.path.join(src_root, name), os.path.join(dst_root, name)
+        finished = os.path.isfile(os.path.join(src, "test_eval.json"))
+        if finished and not os.path.isfile(os.path.join(dst, "test_eval.json")):
+            keep_record(src, dst)
+            added.append(name)
+    return added
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.import_records:
+        print(f"[bench] imported {import_records(args.import_records, args.records)}", file=sys.stderr)
     best = fa.best_learning_rates(args.records, list(ARMS), args.lrs, args.sweep_seeds)
     runs = plan_runs(args, {arm: b["lr"] if b else None for arm, b in best.items()})
     step_s = args.step_seconds or fa.median_step_seconds(args.records) or 6.0

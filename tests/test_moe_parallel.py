@@ -103,12 +103,48 @@ def test_invalid_moe_layouts_name_the_key(override, key):
     assert any(e.startswith(key) for e in err.value.errors), err.value.errors
 
 
-def test_training_at_ep2_is_refused_at_start_up_but_planned_by_the_dry_run(capsys):
+@pytest.mark.parametrize("extra, key, words", [
+    (["rollout.engine=vllm", "model.hf_path=/nonexistent"], "parallel.expert_model_parallel_size", "vLLM refit"),
+    (["parallel.expert_tensor_parallel_size=2", "parallel.expert_model_parallel_size=1"],
+     "parallel.expert_tensor_parallel_size", "generation is untested"),
+])
+def test_what_ep_training_cannot_do_yet_is_refused_at_start_up_but_planned_by_the_dry_run(capsys, extra, key, words):
+    from exgrpo_megatron.planning.startup_checks import moe_startup_errors
+
+    cfg = load_config("demo_cpu", ["model=tiny_qwen3_moe", "parallel.expert_model_parallel_size=2", *extra])
+    errors = moe_startup_errors(cfg)
+    assert any(e.startswith(f"{key}:") and words in e for e in errors), errors
+    assert moe_startup_errors(load_config("demo_cpu", ["model=tiny_qwen3_moe",
+                                                       "parallel.expert_model_parallel_size=2"])) == []
     from exgrpo_megatron.train import main
 
-    args = ["--config-name", "demo_cpu", "--world-size", "2", "model=tiny_qwen3_moe",
-            "parallel.expert_model_parallel_size=2", "logging.run_dir=/nonexistent/never_written"]
-    assert main(args) == 2
-    assert "parallel.expert_model_parallel_size: EP=2" in capsys.readouterr().err
-    assert main([*args, "--dry-run"]) == 0
+    assert main(["--config-name", "demo_cpu", "--world-size", "2", "model=tiny_qwen3_moe",
+                 "parallel.expert_model_parallel_size=2", "--dry-run"]) == 0
     assert "experts: EP=2  ETP=1  expert-DP=1" in capsys.readouterr().out
+
+
+def train_at_ep(ep: int, run_dir: str) -> list[dict]:
+    from exgrpo_megatron.logging import read_metrics
+    from exgrpo_megatron.trainer import run_training
+
+    cfg = load_config("demo_cpu", ["model=tiny_qwen3_moe", "model.vocab_size=103", "model.params_dtype=fp32",
+                                   f"parallel.expert_model_parallel_size={ep}", f"logging.run_dir={run_dir}",
+                                   "trainer.sft_warm_start_steps=0", "trainer.total_steps=2",
+                                   "trainer.train_batch_size=4", "trainer.ppo_mini_batch_size=2", "rollout.n=4",
+                                   "data.max_response_length=16", "trainer.val_every=0", "logging.tensorboard=false",
+                                   "logging.progress_bar=false"])
+    assert run_training(cfg) == 0
+    return read_metrics(f"{run_dir}/metrics.jsonl")
+
+
+def test_training_run_at_ep2_equals_ep1(tmp_path):
+    """The trainer end to end at EP=2 (generation in EP rounds, the updates, the pool): the steps' rollouts and
+    losses are EP=1's."""
+    ref = run_on_ranks(train_at_ep, 2, args=(1, str(tmp_path / "ep1")))[0]
+    got = run_on_ranks(train_at_ep, 2, args=(2, str(tmp_path / "ep2")))[0]
+    assert len(got) == len(ref) == 2
+    for g, r in zip(got, ref, strict=True):
+        for key in ("reward/mean", "generation/tokens", "response_length/mean"):
+            assert g[key] == r[key], key
+        for key in ("loss/policy", "entropy/mean", "grad_norm"):
+            assert g[key] == pytest.approx(r[key], rel=1e-4, abs=1e-6), key

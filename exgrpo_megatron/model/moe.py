@@ -67,3 +67,12 @@ def per_micro_batch_router_losses(model: Any) -> None:
     for module in model.modules():
         if isinstance(module, TopKRouter):
             module.calculate_per_token_loss = False
+
+
+def expert_parallel_group(model: Any) -> Any:
+    """The expert-parallel process group when `model` has MoE layers split over more than one rank, else None."""
+    from megatron.core import parallel_state as ps
+
+    if not model.config.num_moe_experts or ps.get_expert_model_parallel_world_size() == 1:
+        return None
+    return ps.get_expert_model_parallel_group()

@@ -41,11 +41,19 @@ def vllm_startup_errors(cfg: RootConfig, device_memory_bytes: int | None = None)
 
 
 def moe_startup_errors(cfg: RootConfig) -> list[str]:
-    """What a training run (not the dry run, which plans these layouts) cannot do yet with expert parallelism."""
-    p = cfg.parallel
-    if p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size == 1:
-        return []
-    return [f"parallel.expert_model_parallel_size: EP={p.expert_model_parallel_size}, "
-            f"ETP={p.expert_tensor_parallel_size}: training updates run at EP > 1, but generation does not yet "
-            "(the megatron engine's decode loop does not keep the EP ranks in step; the vLLM refit gathers weights "
-            "over TP and PP only); train at EP=1 (docs/moe.md)"]
+    """What a training run (not the dry run, which plans these layouts) cannot do yet with expert parallelism: the
+    megatron engine generates at EP > 1 (its forwards in rounds of the EP group), the vLLM refit and the generator
+    process do not yet, and expert tensor parallelism is untested in generation."""
+    p, key = cfg.parallel, "parallel.expert_model_parallel_size"
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    e = []
+    if etp > 1:
+        e.append(f"parallel.expert_tensor_parallel_size: ETP={etp}: the updates run with it, generation is untested "
+                 "with it; train at ETP=1 (docs/moe.md)")
+    if ep > 1 and cfg.rollout.engine != "megatron":
+        e.append(f"{key}: EP={ep} with rollout.engine={cfg.rollout.engine}: the vLLM refit gathers the weights over "
+                 "TP and PP, not yet over EP; use rollout.engine=megatron (docs/moe.md)")
+    if ep > 1 and cfg.rollout.max_staleness > 0:
+        e.append(f"{key}: EP={ep} with rollout.max_staleness > 0: the generator process does not hold an "
+                 "expert-parallel model yet (docs/moe.md)")
+    return e

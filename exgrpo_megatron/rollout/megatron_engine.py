@@ -32,7 +32,12 @@ up to fp rounding of the logits (tested).
    max_batch_sequences, or on the TP/PP layout, except through fp rounding of the logits between
    different batch/padding shapes (~1e-7), which changes a token only when the uniform falls within
    that distance of a CDF boundary.
-5. Stops. EOS -> "eos", a `stop_token_ids` token -> "stop" (the token stays in the response and
+5. Expert parallelism (MoE, EP > 1). Every MoE layer of every forward exchanges tokens among the EP ranks, which
+   generate different prompts and so run different numbers of forwards. Each forward is therefore one round of the
+   EP group: a flag all-reduced over it says whether any rank still generates, and a rank that has finished joins
+   every remaining round with a one-token forward of its own (no cache, its output unused) until none generates.
+   The `alltoall` dispatcher carries the differing token counts.
+6. Stops. EOS -> "eos", a `stop_token_ids` token -> "stop" (the token stays in the response and
    has its log-prob), a decoded stop string -> "stop" with the response truncated right after the
    token that completed the string (text past the string inside that last token is kept; tokens
    are never split), `max_new_tokens` reached -> "length".
@@ -50,6 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from exgrpo_megatron.model.moe import expert_parallel_group
 from exgrpo_megatron.model.routing_replay import recording, router_choices
 from exgrpo_megatron.rollout.kv_decode import KVCacheStage, attention_mask, profile_range, unsupported_reason
 from exgrpo_megatron.rollout.sampling import (
@@ -178,6 +184,7 @@ class MegatronRolloutEngine:
         self.tokens_per_second = 0.0
         self.last_stats: dict[str, float] = {}
         self.routers = router_choices(self.model)  # MoE: each token's experts are recorded (model/routing_replay.py)
+        self.ep_group = expert_parallel_group(self.model)  # MoE at EP > 1: forwards in rounds (docstring, 5.)
 
     # ---------------------------------------------------------------- RolloutEngine protocol
     def update_weights(self) -> None:
@@ -216,6 +223,7 @@ class MegatronRolloutEngine:
                         # completed in this chunk: a row here, and now all its samples (rows are never repeated)
                         done = sorted({i for i, _, _ in chunk if len(results[i]) == counts[i]})
                         on_prompts_done(done, [[results[i][j] for j in range(counts[i])] for i in done])
+                self._finish_ep_rounds()
         finally:
             self.model.set_input_tensor(None)
             self.model.train(was_training)
@@ -330,6 +338,7 @@ class MegatronRolloutEngine:
         masked), None elsewhere. Stages exchange [s, b, h] activations point-to-point."""
         from megatron.core import parallel_state as ps
 
+        self._ep_round(generating=True)
         batch, seq = tokens.shape
         pp = ps.get_pipeline_model_parallel_world_size()
         hidden = None
@@ -344,6 +353,21 @@ class MegatronRolloutEngine:
             return None
         logits = out.float()
         return mask_padded_vocab(logits, self.vocab_size) if self.vocab_size is not None else logits
+
+    def _ep_round(self, generating: bool) -> bool:
+        """One forward round of the EP group (docstring, 5.): True while any of its ranks generates."""
+        if self.ep_group is None:
+            return generating
+        flag = torch.tensor([int(generating)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ep_group)
+        return bool(flag.item())
+
+    def _finish_ep_rounds(self) -> None:
+        """This rank is done: a one-token forward in every round another EP rank still generates."""
+        while self.ep_group is not None and self._ep_round(generating=False):
+            device = next(self.model.parameters()).device
+            one = torch.zeros(1, 1, dtype=torch.long, device=device)
+            KVCacheStage(self.model, max_len=1).forward(one, None, 0, torch.ones(1, 1, dtype=torch.bool, device=device))
 
     def _sample_and_share(
         self, logits: torch.Tensor | None, uniforms: torch.Tensor, params: SamplingParams, batch: int, device
