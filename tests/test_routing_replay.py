@@ -220,3 +220,17 @@ def test_what_routing_replay_cannot_honour_is_refused(override, key):
         validate(cfg, world_size=2, check_paths=False)
     assert any(line.startswith(f"{key}:") and "moe_routing_replay" in line for line in err.value.errors), \
         err.value.errors
+
+
+def test_vllms_routed_experts_become_the_fed_tokens_choices():
+    """vLLM (GPU: enable_return_routed_experts) returns [tokens, layers, k] with the prompt first; a sample keeps the
+    fed tokens' rows (prompt + response - 1), and a missing or short array is refused rather than misaligned."""
+    from exgrpo_megatron.rollout.vllm_engine import expert_choices_from_vllm
+
+    routed = np.arange(9 * 2 * 2).reshape(9, 2, 2)
+    got = expert_choices_from_vllm(routed, prompt_len=4, response_len=5)
+    assert got.dtype == np.int16 and np.array_equal(got, routed[:8])
+    with pytest.raises(ValueError, match="fed tokens"):
+        expert_choices_from_vllm(routed[:7], prompt_len=4, response_len=5)
+    with pytest.raises(ValueError, match="fed tokens"):
+        expert_choices_from_vllm(None, prompt_len=4, response_len=5)

@@ -57,9 +57,9 @@ def routing_replay_errors(cfg: RootConfig) -> list[str]:
     if not m.moe_routing_replay:
         return []
     key, e = "model.moe_routing_replay", []
-    if cfg.rollout.engine != "megatron":
-        e.append(f"{key}: needs the experts recorded at generation, which only rollout.engine=megatron does yet "
-                 f"(got {cfg.rollout.engine}; vLLM's enable_return_routed_experts is not wired here)")
+    if cfg.rollout.engine == "vllm" and not torch_cuda_available():
+        e.append(f"{key}: with rollout.engine=vllm the experts come from vLLM's enable_return_routed_experts, "
+                 "which needs its model runner V2 and Triton: GPU only (on CPU use rollout.engine=megatron)")
     if cfg.rollout.max_staleness > 0:
         e.append(f"{key}: the generator process generating ahead (rollout.max_staleness > 0) does not record the "
                  "experts yet")
@@ -72,3 +72,9 @@ def routing_replay_errors(cfg: RootConfig) -> list[str]:
     e += [f"{k}: {v} with {key} is not supported yet (tested: the whole sequence and every layer on one rank; "
           "expert parallelism is)" for k, v in split.items() if v > 1]
     return e
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

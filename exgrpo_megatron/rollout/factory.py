@@ -70,4 +70,5 @@ def build_rollout_engine(
         enforce_eager=vllm.enforce_eager,
         seed=seed,
         weights_version=weights_version,
+        return_routed_experts=model_cfg.num_experts > 0 and model_cfg.moe_routing_replay,
     )

@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -94,6 +95,17 @@ def finish_reason_from_vllm(finish_reason: str | None, stop_reason: int | str | 
     return "eos" if stop_reason is None else "stop"
 
 
+def expert_choices_from_vllm(routed: np.ndarray | None, prompt_len: int, response_len: int) -> np.ndarray:
+    """vLLM's `CompletionOutput.routed_experts` ([tokens, MoE layers, k], prompt tokens first) as
+    `Sample.expert_choices`: the fed tokens only (prompt + response - 1; the last response token is never fed)."""
+    fed = prompt_len + response_len - 1
+    if routed is None or routed.ndim != 3 or routed.shape[0] < fed:
+        shape = None if routed is None else routed.shape
+        raise ValueError(f"vLLM returned routed experts of shape {shape} for {fed} fed tokens "
+                         "(enable_return_routed_experts, model/routing_replay.py)")
+    return np.ascontiguousarray(routed[:fed], dtype=np.int16)
+
+
 class VLLMRolloutEngine:
     """RolloutEngine backed by a colocated vLLM `LLM`; see the module docstring."""
 
@@ -111,6 +123,7 @@ class VLLMRolloutEngine:
         enforce_eager: bool = False,
         seed: int = 0,
         weights_version: Callable[[], int] | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         from megatron.core import parallel_state as ps
         from vllm import LLM
@@ -128,6 +141,10 @@ class VLLMRolloutEngine:
         tp = ps.get_tensor_model_parallel_world_size()
         world = dist.get_world_size() if dist.is_initialized() else 1
         kwargs: dict[str, Any] = scheduler_kwargs(max_model_len)
+        if return_routed_experts:  # MoE routing replay (model/routing_replay.py): vLLM's aux output, GPU only
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM 0.32: the aux output needs runner V2
+            kwargs["enable_return_routed_experts"] = True
+        self.return_routed_experts = return_routed_experts
         if world > 1:
             kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=world // tp)
         else:
@@ -233,6 +250,8 @@ class VLLMRolloutEngine:
                     response_ids=list(c.token_ids),
                     logprobs=[float(c.logprobs[t][tok].logprob) for t, tok in enumerate(c.token_ids)],
                     finish_reason=finish_reason_from_vllm(c.finish_reason, c.stop_reason),
+                    expert_choices=expert_choices_from_vllm(c.routed_experts, len(prompts[i]), len(c.token_ids))
+                    if self.return_routed_experts else None,
                 )
                 for c in out.outputs
             ]
