@@ -19,7 +19,8 @@ one that crashes is recorded with its error and the others still run. Sections:
   random model never stops): generated tokens/s of our engine, trained tokens/s, step time, peak GPU memory,
   and MFU against the measured bf16 peak, with the decode's roofline (max of weight bytes / bandwidth and
   FLOPs / peak per decode step).
-* ``moe``: an MoE layer with the GPU token dispatcher, when this version has a mixture-of-experts family.
+* ``moe``: the trainer with the demo's Qwen3-MoE model and routing replay on (one device, EP=1), bf16: whether it
+  runs, the engine-vs-training routing disagreement it measures, the experts' balance, the step time.
 
 Model FLOPs per token: forward 2 * N_matmul (every matmul weight: QKV, output projection, MLP, output layer; not the
 input embedding, norms or biases), training 3x forward; attention's s x s products are left out (short sequences
@@ -235,12 +236,27 @@ def _rl_step_arm(steps: int, smoke: bool) -> dict:
     return out
 
 
-def moe() -> dict:
-    from exgrpo_megatron.config.schema import ParallelConfig
+def moe(steps: int, smoke: bool) -> dict:
+    """The trainer with the demo's Qwen3-MoE model (4 experts, 2 per token; EP=1 on one device) and routing replay on,
+    bf16 on the GPU (fp32 in the smoke run): does it run there, how often the training forward would have routed a
+    token elsewhere than our engine did (moe/routing_disagreement: engine-vs-trainer arithmetic, and the weights
+    moving between an update and the next), the experts' balance and the step time."""
+    from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.trainer import run_training
 
-    if "expert_model_parallel_size" not in ParallelConfig.__dataclass_fields__:
-        return {"skipped": "this version has no mixture-of-experts family (parallel.expert_model_parallel_size)"}
-    return {"skipped": "an MoE family exists but this pack has no MoE section yet"}
+    run_dir = tempfile.mkdtemp(prefix="gpu_check_moe_")
+    overrides = ["model=demo_qwen3_moe", "model.moe_routing_replay=true",
+                 f"model.params_dtype={'fp32' if smoke else 'bf16'}", *RL_STEP_COMMON, *RL_STEP_SMOKE,
+                 f"trainer.total_steps={steps}", f"logging.run_dir={run_dir}", "trainer.ppo_mini_batch_size=2"]
+    cfg = load_config("demo_cpu", overrides)
+    code = run_training(cfg)
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    mean = lambda key: sum(float(r.get(key, 0.0)) for r in records) / len(records)  # noqa: E731
+    return {"exit_code": code, "overrides": overrides, "steps": len(records),
+            "routing_disagreement": mean("moe/routing_disagreement"),
+            "routing_replayed_share": mean("moe/routing_replayed_share"),
+            "load_max_over_mean": mean("moe/load_max_over_mean"), "time_step_s": mean("time/step"),
+            "reward_mean": mean("reward/mean")}
 
 
 def derived(result: dict) -> dict:
@@ -297,7 +313,7 @@ def run_all(out_path: str, smoke: bool, steps: int, sections: tuple[str, ...] = 
     if "rl_step" in sections:
         result["rl_step"] = _run_section(["rl_step", str(steps)] + (["--smoke"] if smoke else []), None, 900)
     if "moe" in sections:
-        result["moe"] = _run_section(["moe"], None, 120)
+        result["moe"] = _run_section(["moe", str(steps)] + (["--smoke"] if smoke else []), None, 600)
     result["derived"] = derived(result)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
@@ -333,7 +349,7 @@ def section_main(argv: list[str]) -> None:
     elif name == "rl_step":
         out = _rl_step_arm(int(rest[0]), smoke)
     elif name == "moe":
-        out = moe()
+        out = moe(int(rest[0]), smoke)
     else:
         raise SystemExit(f"unknown section {name!r}")
     print(json.dumps(out))

@@ -67,4 +67,6 @@ def test_cpu_smoke_runs_the_numerics_and_the_trainer_sections(tmp_path):
     step = result["rl_step"]
     assert step["ok"] and step["exit_code"] == 0
     assert step["generate_tokens_per_s"] > 0 and step["train_tokens_per_s"] > 0
-    assert "skipped" in result["moe"] or result["moe"]["ok"]
+    moe = result["moe"]
+    assert moe["ok"] and moe["exit_code"] == 0 and moe["steps"] == 2, moe
+    assert moe["routing_replayed_share"] > 0.5 and 0.0 <= moe["routing_disagreement"] <= 1.0
