@@ -6,8 +6,9 @@
   other targets are what the routers route to on the rows that have them (the router decides on the rows without:
   a trajectory replayed from the pool) and change the loss; the disagreement metric counts exactly the differing
   (token, layer) pairs, with and without replay.
-* The trainer end to end with `model.moe_routing_replay=true`: the steps' forwards replay what the engine recorded
-  (every routed token-layer pair of a fresh row that has a recording) and the disagreement is logged.
+* The trainer end to end with `model.moe_routing_replay=true`: the updates' forwards route every recorded token to
+  the experts the engine recorded, a trajectory replayed from the pool carries no recording (its current router
+  decides), and the disagreement is logged.
 * Layouts and engines that cannot record or replay are refused at start-up naming the key.
 """
 
@@ -152,7 +153,7 @@ class _RoutingSeen:
     def __init__(self) -> None:
         from exgrpo_megatron.step_observer import StepObserver
 
-        seen = self.seen = {"compared": 0, "equal": 0, "rows_with": 0, "replay_rows_with": 0}
+        seen = self.seen = {"compared": 0, "equal": 0, "rows_with": 0, "replay_rows": 0, "replay_rows_with": 0}
 
         class Observer(StepObserver):
             def started(self, c) -> None:
@@ -161,6 +162,7 @@ class _RoutingSeen:
             def rows_built(self, step, rows) -> None:
                 choices = rows.expert_choices or [None] * len(rows.sequences)
                 seen["rows_with"] += sum(c is not None for c in choices)
+                seen["replay_rows"] += sum(rows.is_replay)
                 seen["replay_rows_with"] += sum(c is not None and r for c, r in zip(choices, rows.is_replay,
                                                                                    strict=True))
 
@@ -186,11 +188,13 @@ class _RoutingSeen:
 def train_with_routing_replay(run_dir: str) -> dict:
     from exgrpo_megatron.trainer import run_training
 
-    cfg = load_config("demo_cpu", [*MOE, "model.vocab_size=103", "model.moe_routing_replay=true",
-                                   f"logging.run_dir={run_dir}",
-                                   "trainer.total_steps=2", "trainer.train_batch_size=4", "rollout.n=4",
-                                   "trainer.ppo_mini_batch_size=2", "optim.lr=0.05", "data.max_response_length=16",
-                                   "trainer.val_every=0", "logging.tensorboard=false", "logging.progress_bar=false"])
+    # the MoE demo model, warm-started (demo_cpu): some answers right, so the pool fills and replays from step 2
+    cfg = load_config("demo_cpu", ["model=demo_qwen3_moe", "model.params_dtype=fp32",
+                                   "model.moe_token_dispatcher=allgather", "model.moe_routing_replay=true",
+                                   f"logging.run_dir={run_dir}", "trainer.total_steps=2", "trainer.train_batch_size=8",
+                                   "rollout.n=4", "experience.delayed_start_pass_rate=0",
+                                   "trainer.ppo_mini_batch_size=4", "trainer.val_every=0",
+                                   "logging.tensorboard=false", "logging.progress_bar=false"])
     seen = _RoutingSeen()
     assert run_training(cfg, observers=[seen.observer]) == 0
     from exgrpo_megatron.logging import read_metrics
@@ -201,7 +205,11 @@ def train_with_routing_replay(run_dir: str) -> dict:
 def test_the_trainer_replays_the_engines_routing(tmp_path):
     out = run_on_ranks(train_with_routing_replay, 1, args=(str(tmp_path / "run"),))[0]
     seen = out["seen"]
-    assert seen["rows_with"] == 2 * 4 * 4 and seen["replay_rows_with"] == 0
+    # every generated row carries its recording; a trajectory replayed from the pool none (its current router decides)
+    pool = [(m["phase"], m.get("experience/questions"), m["experience/n_replayed"], m["reward/mean"])
+            for m in out["metrics"]]
+    assert seen["replay_rows"] > 0 and seen["replay_rows_with"] == 0, pool
+    assert seen["rows_with"] == 2 * 8 * 4 - seen["replay_rows"]
     assert seen["compared"] > 0 and seen["equal"] == seen["compared"]
     for m in out["metrics"]:
         assert 0.0 <= m["moe/routing_disagreement"] <= 1.0
