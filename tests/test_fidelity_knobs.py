@@ -4,6 +4,7 @@ random), policy shaping on/off, IS correction on/off, rho."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import math
 import sys
@@ -200,7 +201,9 @@ def test_bench_plan_reuses_sweep_runs_and_skips_finished_ones(tmp_path):
     assert not run.done  # finished, but its record is not kept yet
     run.keep_record()
     assert run.done  # a run with a committed record is not re-run (in any later checkout)
-    assert (tmp_path / "records" / Path(run.run_dir).name / "metrics.jsonl").read_text() == "metrics.jsonl"
+    kept = tmp_path / "records" / Path(run.run_dir).name
+    assert gzip.decompress((kept / "metrics.jsonl.gz").read_bytes()) == b"metrics.jsonl"  # kept compressed
+    assert (kept / "config.yaml").read_text() == "config.yaml" and not (kept / "metrics.jsonl").exists()
     high_lr_diagnosis = [r for r in by_phase["diagnosis"] if r.lr != best["grpo"]]  # needs no learning-rate choice
     assert bench.plan_runs(args, {"exgrpo": None, "grpo": None}) == (by_phase["sweep"] + by_phase["stability"]
                                                                       + high_lr_diagnosis)

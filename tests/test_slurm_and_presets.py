@@ -298,8 +298,9 @@ def test_script_stops_on_invalid_config(tmp_path: Path) -> None:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_resolves_and_validates(preset: str) -> None:
     overrides = ["checkpoint.init_from=/ckpt/start"] if preset == "exgrpo_continual" else []
-    world = 1 if preset.endswith("_cpu") else 8  # the CPU presets run on one process
     cfg = load_config(preset, overrides)
+    # the CPU presets run on one process (the MoE demo on its EP ranks), the GPU presets on 8
+    world = cfg.parallel.expert_model_parallel_size if preset.endswith("_cpu") else 8
     validate(cfg, world, check_paths=False)  # the presets' models and data are not on this machine
     algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     report = dry_run_report(cfg, world, replays=algorithm.uses_pool)
