@@ -26,11 +26,11 @@ MOE = ["model=tiny_qwen3_moe", "model.params_dtype=fp32", "model.moe_token_dispa
 VOCAB = 128
 
 
-def _policy(replay: bool):
+def _policy(replay: bool, *extra: str):
     from exgrpo_megatron.distributed.runtime import init_distributed
     from exgrpo_megatron.policy.policy import Policy
 
-    cfg = load_config("demo_cpu", [*MOE, f"model.moe_routing_replay={str(replay).lower()}"])
+    cfg = load_config("demo_cpu", [*MOE, f"model.moe_routing_replay={str(replay).lower()}", *extra])
     init_distributed(seed=cfg.seed)
     return cfg, Policy(cfg)
 
@@ -147,6 +147,43 @@ def test_replay_imposes_the_recorded_experts_and_counts_disagreement(packed):
     assert out["off_same"] and out["off_routed_own"]  # replay off: compared only
 
 
+def replayed_update_with_recompute(recompute: bool) -> dict:
+    """One update's loss and gradients with other experts imposed on two of three rows, with or without full
+    activation recompute (which re-runs the routers in the backward)."""
+    from exgrpo_megatron.algo.registry import build_algorithm
+    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.model.routing_replay import recording
+    from exgrpo_megatron.policy.objective import rl_loss_fn
+    from tests.helpers.gather import full_tensors
+
+    cfg, policy = _policy(True, f"model.recompute_activations={str(recompute).lower()}")
+    algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    loss_fn = rl_loss_fn(algorithm, phase=Phase.MIXED, normalisers=(29.0, 29.0), temperature=1.0)
+    mbs, seqs = _micro_batches(True, None)
+    with recording(policy.routing.hooks) as take:
+        policy.forward_backward(mbs, loss_fn, forward_only=True)
+        own = take(mbs[0].tokens.shape[1], 1)[:, 0]  # packed: one row, [tokens, layers, k]
+    starts = [int(c) for c in mbs[0].cu_seqlens[:-1]]
+    by_row = {r: own[c: c + len(seqs[r]) - 1] for r, c in zip(mbs[0].rows, starts, strict=True)}
+    shifted = [(by_row[0] + 1) % 4, None, (by_row[2] + 1) % 4]
+    policy.zero_grad()
+    loss = policy.forward_backward(_micro_batches(True, shifted)[0], loss_fn)[0]["pg_loss"]
+    return {"loss": float(loss), "grads": full_tensors(policy.modules, "grad"),
+            "recompute": policy.modules[0].config.recompute_granularity}
+
+
+def test_replay_survives_activation_recompute():
+    """Full activation recompute re-runs each micro-batch's routers in its backward: they must route as the forward
+    did, so the replayed update's loss and every gradient equal those without recompute."""
+    plain = run_on_ranks(replayed_update_with_recompute, 1, args=(False,))[0]
+    rec = run_on_ranks(replayed_update_with_recompute, 1, args=(True,))[0]
+    assert plain["recompute"] is None and rec["recompute"] == "full"
+    assert rec["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    for k, g in plain["grads"].items():
+        err = float((rec["grads"][k] - g).abs().max() / g.abs().max().clamp_min(1e-12))
+        assert err <= 1e-5, (k, err)
+
+
 class _RoutingSeen:
     """Records, for each update's micro-batches, the routing the forward used against what the engine recorded."""
 
@@ -218,7 +255,6 @@ def test_the_trainer_replays_the_engines_routing(tmp_path):
 
 @pytest.mark.parametrize("override, key", [
     ("rollout.engine=vllm", "model.moe_routing_replay"),
-    ("model.recompute_activations=true", "model.moe_routing_replay"),
     ("rollout.max_staleness=1", "model.moe_routing_replay"),
     ("parallel.pipeline_model_parallel_size=2", "parallel.pipeline_model_parallel_size"),
 ])

@@ -63,9 +63,6 @@ def routing_replay_errors(cfg: RootConfig) -> list[str]:
     if cfg.rollout.max_staleness > 0:
         e.append(f"{key}: the generator process generating ahead (rollout.max_staleness > 0) does not record the "
                  "experts yet")
-    if m.recompute_activations:
-        e.append(f"{key}: full activation recompute re-runs the routers in the backward pass, where the replayed "
-                 "choices are not kept yet; set model.recompute_activations=false")
     split = {"parallel.tensor_model_parallel_size": p.tensor_model_parallel_size,
              "parallel.pipeline_model_parallel_size": p.pipeline_model_parallel_size,
              "parallel.context_parallel_size": p.context_parallel_size}

@@ -57,12 +57,13 @@ class RouterChoices:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         assert default_compute_topk is not None
         probs, chosen = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        if self.counting:
+        count, self.counting = self.counting, False  # once per forward (an activation recompute runs it again)
+        if count:
             self.routed += chosen.shape[0]
         if self.target is not None:
             target = self.target.to(chosen.device)
             has = target[:, 0] >= 0
-            if self.counting:
+            if count:
                 self.compared += int(has.sum())
                 self.differing += int(differing_sets(chosen[has], target[has]).sum())
             if self.replay:
@@ -146,7 +147,7 @@ def micro_batch_targets(tokens_shape: tuple[int, ...], starts: Sequence[tuple[in
 
 
 class RoutingReplay:
-    """The policy's routers' hooks: recorded choices imposed per micro-batch (`applying`), disagreement counted."""
+    """The policy's routers' hooks: recorded choices imposed per micro-batch (`set_targets`), disagreement counted."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], replay: bool) -> None:
         self.hooks = attach(modules)
@@ -154,17 +155,23 @@ class RoutingReplay:
         config: Any = modules[0].config if self.hooks else None
         self.topk: int = config.moe_router_topk if config is not None else 0
 
-    @contextmanager
-    def applying(self, tokens_shape: tuple[int, ...], starts: Sequence[tuple[int, int]],
-                 choices: Sequence[np.ndarray | None] | None, count: bool) -> Iterator[None]:
-        """One forward of a micro-batch: its rows' recorded choices as the routers' targets (replayed with
-        `model.moe_routing_replay`, compared always), the disagreement counted when `count`."""
+    def set_targets(self, tokens_shape: tuple[int, ...], starts: Sequence[tuple[int, int]],
+                    choices: Sequence[np.ndarray | None] | None, count: bool) -> None:
+        """The next forward's micro-batch: its rows' recorded choices become the routers' targets (replayed with
+        `model.moe_routing_replay`, compared always; the disagreement counted once when `count`). They stay until
+        the next call or the end of the pass (`pass_scope`), so full activation recompute, which re-runs this
+        micro-batch's routers in its backward before the next micro-batch's forward (one pipeline stage), routes as
+        the forward did."""
         target = None
         if self.hooks and choices is not None:
             target = micro_batch_targets(tokens_shape, starts, choices, len(self.hooks), self.topk)
         for i, h in enumerate(self.hooks):
             h.target = None if target is None else target[i]
             h.replay, h.counting = self.replay, count
+
+    @contextmanager
+    def pass_scope(self) -> Iterator[None]:
+        """One pass of the policy (its micro-batches' forwards and backwards): no target outlives it."""
         try:
             yield
         finally:

@@ -149,9 +149,10 @@ class Policy:
         mb: MicroBatch = next(data_iterator)
         with stop_before_output_layer(model, self.fused_output_logprobs) as output_weight, \
                 (router_losses_off(self.modules[0].config) if is_padding(mb) else nullcontext()), \
-                self.expert_load.counting(self._counting_load and not is_padding(mb)), \
-                self.routing.applying(tuple(mb.tokens.shape), mb.row_starts, mb.expert_choices,
-                                      count=self._counting_load and not is_padding(mb)):
+                self.expert_load.counting(self._counting_load and not is_padding(mb)):
+            # kept until the next micro-batch's forward: a backward recompute of this one routes as its forward did
+            self.routing.set_targets(tuple(mb.tokens.shape), mb.row_starts, mb.expert_choices,
+                                     count=self._counting_load and not is_padding(mb))
             output = model(**forward_inputs(mb, causal_mask=self.use_mask))
 
         def loss_func(model_output: torch.Tensor) -> tuple[Any, ...]:
@@ -180,7 +181,7 @@ class Policy:
         self._counting_load = not forward_only
         n = len(micro_batches)
         iterators = [iter(micro_batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro_batches)
-        with torch_threads(self.train_threads):  # this rank's cores (the grader pool is idle; distributed/threads.py)
+        with torch_threads(self.train_threads), self.routing.pass_scope():  # this rank's cores (distributed/threads.py)
             get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, loss_fn, collect),
                 data_iterator=iterators,
