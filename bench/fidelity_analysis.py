@@ -8,7 +8,6 @@ it: B*K - (replayed questions) (a replayed question's K-th member is stored; tho
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
@@ -43,15 +42,12 @@ def load_run(path: str) -> dict | None:
 
     metrics = os.path.join(path, "metrics.jsonl")
     if os.path.isfile(metrics + ".gz"):  # a committed record (exgrpo_vs_grpo.py keeps them compressed)
-        with gzip.open(metrics + ".gz", "rt", encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-    elif os.path.isfile(metrics):
-        rows = read_metrics(metrics)
-    else:
+        metrics += ".gz"
+    elif not os.path.isfile(metrics):
         return None
     cfg = load_config("config", config_dir=path)
     per_step = cfg.trainer.train_batch_size * cfg.rollout.n
-    records = sorted((r for r in rows if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+    records = sorted((r for r in read_metrics(metrics) if isinstance(r.get("step"), int)), key=lambda r: r["step"])
     out: dict = {"steps": [], "trajectories": [], "total_steps": cfg.trainer.total_steps, "rollouts_per_step": per_step}
     total = 0.0
     for r in records:

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,11 @@ def compare(a: dict, b: dict) -> dict:
     for key in ("loss", "grad_norm"):
         out[f"{key}_rel_diff"] = abs(a[key] - b[key]) / max(abs(a[key]), 1e-12)
     return out
+
+
+def mean_of(records: list[dict], key: str) -> float:
+    """The mean of one metric over a run's records (0 where a record lacks it)."""
+    return sum(float(r.get(key, 0.0)) for r in records) / len(records)
 
 
 def matmul_flops_per_token(cfg: Any) -> int:
@@ -211,6 +217,7 @@ def _rl_step_arm(steps: int, smoke: bool) -> dict:
 
     from exgrpo_megatron.config.derived import resolve_params_dtype
     from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.logging.metrics import read_metrics
     from exgrpo_megatron.trainer import run_training
 
     run_dir = tempfile.mkdtemp(prefix="gpu_check_rl_step_")
@@ -218,9 +225,9 @@ def _rl_step_arm(steps: int, smoke: bool) -> dict:
     overrides += [f"trainer.total_steps={steps}", f"logging.run_dir={run_dir}"]
     cfg = load_config("demo_cpu", overrides)
     code = run_training(cfg)
-    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     steady = [r for r in records if r.get("step", 0) >= 2] or records  # step 1 warms the allocator and kernels
-    mean = lambda key: sum(float(r.get(key, 0.0)) for r in steady) / len(steady)  # noqa: E731
+    mean = partial(mean_of, steady)
     rows = cfg.trainer.train_batch_size * cfg.rollout.n
     generated = mean("response_length/mean") * rows
     trained = mean("throughput/tokens_per_s") * mean("time/step")  # prompt + response tokens of every row
@@ -242,6 +249,7 @@ def moe(steps: int, smoke: bool) -> dict:
     token elsewhere than our engine did (moe/routing_disagreement: engine-vs-trainer arithmetic, and the weights
     moving between an update and the next), the experts' balance and the step time."""
     from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.logging.metrics import read_metrics
     from exgrpo_megatron.trainer import run_training
 
     run_dir = tempfile.mkdtemp(prefix="gpu_check_moe_")
@@ -250,8 +258,8 @@ def moe(steps: int, smoke: bool) -> dict:
                  f"trainer.total_steps={steps}", f"logging.run_dir={run_dir}", "trainer.ppo_mini_batch_size=2"]
     cfg = load_config("demo_cpu", overrides)
     code = run_training(cfg)
-    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    mean = lambda key: sum(float(r.get(key, 0.0)) for r in records) / len(records)  # noqa: E731
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    mean = partial(mean_of, records)
     return {"exit_code": code, "overrides": overrides, "steps": len(records),
             "routing_disagreement": mean("moe/routing_disagreement"),
             "routing_replayed_share": mean("moe/routing_replayed_share"),

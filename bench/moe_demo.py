@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,12 +20,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def summarise(records: list[dict], window: int = 10) -> dict:
@@ -57,12 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--override", nargs="*", default=[])
     p.add_argument("--out", default=os.path.join(HERE, "results", "moe_demo.json"))
     args = p.parse_args(argv)
+    from exgrpo_megatron.distributed.launch_env import free_local_port
     from exgrpo_megatron.logging.metrics import read_metrics
 
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(x for x in (REPO, os.environ.get("PYTHONPATH")) if x))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "exgrpo_megatron.train", "--config-name", "demo_moe_cpu", f"logging.run_dir={args.run_dir}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_local_port()), "-m", "exgrpo_megatron.train", "--config-name", "demo_moe_cpu",
+           f"logging.run_dir={args.run_dir}",
            f"trainer.total_steps={args.steps}", "checkpoint.resume=auto", "logging.progress_bar=false",
            *args.override]
     start = time.perf_counter()

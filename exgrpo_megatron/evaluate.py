@@ -37,7 +37,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -240,10 +239,10 @@ def resolve_model_path(path: str) -> tuple[str, str]:
 
 def single_process_env() -> dict[str, str]:
     """torch.distributed env for a one-process run on a free local port (parallel runs do not collide)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    from exgrpo_megatron.distributed.launch_env import free_local_port
+
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_local_port())}
 
 
 def load_policy(model_path: str, tp: int, work_dir: str):

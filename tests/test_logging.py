@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import gzip
 import importlib.util
 import io
 import json
@@ -63,6 +64,14 @@ def test_resume_truncates_later_steps_and_torn_line(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert [r["reward/mean"] for r in records] == [1.0, 2.0, 3.0, 104.0, 105.0]
     assert read_metrics(os.path.join(run_dir, "metrics.jsonl")) == records
+
+
+def test_read_metrics_reads_a_compressed_record_and_ignores_its_torn_line(tmp_path):
+    """Committed benchmark records keep metrics.jsonl gzip-compressed; the reader is the same."""
+    lines = '{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.75}\n{"step": 3, "rew'
+    path = tmp_path / "metrics.jsonl.gz"
+    path.write_bytes(gzip.compress(lines.encode()))
+    assert read_metrics(str(path)) == [{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.75}]
 
 
 def test_fresh_run_moves_old_metrics_and_disabled_writes_nothing(tmp_path):

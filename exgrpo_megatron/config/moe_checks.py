@@ -57,7 +57,9 @@ def routing_replay_errors(cfg: RootConfig) -> list[str]:
     if not m.moe_routing_replay:
         return []
     key, e = "model.moe_routing_replay", []
-    if cfg.rollout.engine == "vllm" and not torch_cuda_available():
+    import torch
+
+    if cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
         e.append(f"{key}: with rollout.engine=vllm the experts come from vLLM's enable_return_routed_experts, "
                  "which needs its model runner V2 and Triton: GPU only (on CPU use rollout.engine=megatron)")
     if cfg.rollout.max_staleness > 0:
@@ -70,8 +72,3 @@ def routing_replay_errors(cfg: RootConfig) -> list[str]:
           "expert parallelism is)" for k, v in split.items() if v > 1]
     return e
 
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())

@@ -14,6 +14,7 @@ Only rank 0 logs: other ranks pass ``enabled=False`` and every method is a no-op
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
@@ -83,9 +84,10 @@ def truncate_metrics_file(path: str, resume_step: int) -> tuple[int, int]:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """All complete records of a metrics.jsonl (a torn last line is ignored)."""
+    """All complete records of a metrics.jsonl, or of a gzip-compressed one (`.gz`, as the committed benchmark
+    records are kept); a torn last line is ignored."""
     records = []
-    with open(path, encoding="utf-8") as fh:
+    with (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")) as fh:
         for line in fh:
             if line.strip():
                 try:

@@ -154,6 +154,7 @@ class RoutingReplay:
         self.replay = replay
         config: Any = modules[0].config if self.hooks else None
         self.topk: int = config.moe_router_topk if config is not None else 0
+        self.device = next(modules[0].parameters()).device  # the targets move there once per micro-batch
 
     def set_targets(self, tokens_shape: tuple[int, ...], starts: Sequence[tuple[int, int]],
                     choices: Sequence[np.ndarray | None] | None, count: bool) -> None:
@@ -165,6 +166,7 @@ class RoutingReplay:
         target = None
         if self.hooks and choices is not None:
             target = micro_batch_targets(tokens_shape, starts, choices, len(self.hooks), self.topk)
+            target = None if target is None else target.to(self.device)
         for i, h in enumerate(self.hooks):
             h.target = None if target is None else target[i]
             h.replay, h.counting = self.replay, count

@@ -28,6 +28,7 @@ from exgrpo_megatron.distributed.threads import torch_threads, train_threads_fro
 from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
 from exgrpo_megatron.model.expert_load import ExpertLoad
 from exgrpo_megatron.model.layout_init import initialise
+from exgrpo_megatron.model.moe import expert_parallel_group
 from exgrpo_megatron.model.routing_replay import RoutingReplay
 from exgrpo_megatron.policy.batch import MicroBatch, forward_inputs
 from exgrpo_megatron.policy.expert_sync import equalise_micro_batch_count, is_padding, router_losses_off
@@ -111,7 +112,7 @@ class Policy:
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.train_threads = train_threads_from_env(cfg.trainer.train_threads, dist.get_world_size())
         # MoE with EP > 1: the EP ranks hold different data but run every forward together (policy/expert_sync.py)
-        self.ep_group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+        self.ep_group = expert_parallel_group(self.modules[0])
         self.expert_load = ExpertLoad(self.modules)  # MoE: tokens per expert of the training updates
         # MoE: the engine records each token's experts; every pass compares (and with moe_routing_replay replays) them
         self.routing = RoutingReplay(self.modules, replay=cfg.model.moe_routing_replay)

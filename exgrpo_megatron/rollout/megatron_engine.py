@@ -364,10 +364,14 @@ class MegatronRolloutEngine:
 
     def _finish_ep_rounds(self) -> None:
         """This rank is done: a one-token forward in every round another EP rank still generates."""
-        while self.ep_group is not None and self._ep_round(generating=False):
-            device = next(self.model.parameters()).device
-            one = torch.zeros(1, 1, dtype=torch.long, device=device)
-            KVCacheStage(self.model, max_len=1).forward(one, None, 0, torch.ones(1, 1, dtype=torch.bool, device=device))
+        if self.ep_group is None:
+            return
+        device = next(self.model.parameters()).device
+        one = torch.zeros(1, 1, dtype=torch.long, device=device)
+        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+        stage = KVCacheStage(self.model, max_len=1)  # position 0 rewritten each round
+        while self._ep_round(generating=False):
+            stage.forward(one, None, 0, valid)
 
     def _sample_and_share(
         self, logits: torch.Tensor | None, uniforms: torch.Tensor, params: SamplingParams, batch: int, device
