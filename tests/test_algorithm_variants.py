@@ -43,10 +43,10 @@ def _rloo_reference(rewards: list[float]) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("sft")
-    run_on_ranks(warm_start, 1, args=(overrides(str(d / "unused"), str(d), ("trainer.micro_batch_max_tokens=8192",)),))
-    return str(d)
+def sft_dir(tmp_path_factory, sft_cache_dir) -> str:
+    unused = str(tmp_path_factory.mktemp("unused"))
+    run_on_ranks(warm_start, 1, args=(overrides(unused, sft_cache_dir, ("trainer.micro_batch_max_tokens=8192",)),))
+    return sft_cache_dir
 
 
 class _Recorder(StepObserver):

@@ -34,11 +34,11 @@ REFERENCE = FIXTURES / f"demo_digest_reference_{cpu_key()}.json"
 
 
 @pytest.fixture(scope="module")
-def digests(tmp_path_factory) -> dict[str, dict]:
+def digests(tmp_path_factory, sft_cache_dir) -> dict[str, dict]:
     if not REFERENCE.exists():
         pytest.skip(f"no digest reference for this CPU ({cpu_key()}): record one on the reference code with "
                     f"`python -m tests.helpers.demo_digest {REFERENCE.relative_to(FIXTURES.parent.parent)}`")
-    return digest_arms(str(tmp_path_factory.mktemp("digest")))
+    return digest_arms(str(tmp_path_factory.mktemp("digest")), sft_cache_dir)
 
 
 @pytest.mark.parametrize("arm", [name for name, _, _ in ARMS])

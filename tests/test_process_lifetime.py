@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from exgrpo_megatron.distributed.run_lock import acquire_run_dir
+from exgrpo_megatron.distributed.run_lock import LOCK_FILE, acquire_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = """
@@ -43,12 +43,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _open_files(pid: int) -> set[str]:
+    try:
+        return {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    except FileNotFoundError:
+        return set()
+
+
 def _trainer_with_a_forked_writer(run_dir: Path, hooks: bool) -> tuple[subprocess.Popen, int]:
+    """The trainer and its forked writer, once the writer has run its after-fork hooks (closed its copy of the
+    lock's descriptor: until the child is first scheduled, it still holds the copy fork gave it)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(run_dir), "hooks" if hooks else "plain"],
                             stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
-    return proc, int(proc.stdout.readline())
+    writer = int(proc.stdout.readline())
+    deadline = time.monotonic() + 30
+    while str(run_dir / LOCK_FILE) in _open_files(writer) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc, writer
 
 
 def _kill(pid: int) -> None:

@@ -200,6 +200,37 @@ def test_a_damaged_sft_cache_entry_is_rebuilt(tmp_path):
     assert got["restored"]  # the same deterministic SFT wrote the same bytes again
 
 
+def sft_entry_written_twice(cache: str) -> dict:
+    """Two runs trained the same entry: the second renames after the first; a killed run's staging is left."""
+    import os
+
+    from exgrpo_megatron.checkpoint.integrity import weights_problem
+    from exgrpo_megatron.data.tokenizer import load_tokenizer
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.policy.warm_start import cache_key, train_warm_start, warm_start_weights
+
+    cfg = load_config("demo_cpu", [*TINY, "trainer.sft_warm_start_steps=2", f"trainer.sft_cache_dir={cache}",
+                                   "data.num_train_examples=32"])
+    init_distributed(1, 1, seed=cfg.seed)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
+    entry = Path(cache) / cache_key(cfg)
+    dead = Path(cache) / f"{entry.name}.tmp-{os.uname().nodename}-999999999"  # no such process
+    live = Path(cache) / f"{entry.name}.tmp-{os.uname().nodename}-{os.getppid()}"  # a run still writing
+    for d in (dead, live):
+        (d / "model").mkdir(parents=True)
+    assert warm_start_weights(cfg, tokenizer) == entry
+    train_warm_start(cfg, tokenizer, entry)  # the second run finishes after the first renamed its entry
+    return {"problem": weights_problem(entry), "left": sorted(p.name for p in Path(cache).iterdir())}
+
+
+def test_two_runs_training_the_same_sft_entry_keep_one_and_clean_only_dead_staging(tmp_path):
+    got = run_on_ranks(sft_entry_written_twice, 1, args=(str(tmp_path / "sft"),))[0]
+    assert got["problem"] is None  # old code: the second run's rename onto the existing entry raised
+    entry = min(got["left"], key=len)
+    assert got["left"] == sorted([entry, next(n for n in got["left"] if n != entry)])  # the entry + the live one's
+    assert got["left"][1].startswith(f"{entry}.tmp-") and not got["left"][1].endswith("-999999999")
+
+
 # ------------------------------------------------------------------ disk full (a real tmpfs)
 
 

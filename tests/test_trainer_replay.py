@@ -53,13 +53,13 @@ def _warm_start(overrides: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory) -> str:
+def sft_dir(tmp_path_factory, sft_cache_dir) -> str:
     """The warm-start weights, trained once (the cache key ignores the run dir, the layout and the
     micro-batch budget: one micro-batch per supervised step here, the same gradient, less overhead)."""
-    d = tmp_path_factory.mktemp("sft")
-    run_on_ranks(_warm_start, 1, args=(_replay_overrides(str(d / "unused"), str(d),
-                                                         ("trainer.micro_batch_max_tokens=8192",)),))
-    return str(d)
+    unused = str(tmp_path_factory.mktemp("unused"))
+    extra = ("trainer.micro_batch_max_tokens=8192",)
+    run_on_ranks(_warm_start, 1, args=(_replay_overrides(unused, sft_cache_dir, extra),))
+    return sft_cache_dir
 
 
 def _metrics(run_dir: str) -> list[dict]:

@@ -59,12 +59,15 @@ def build(out_dir: str = DEFAULT_OUT, force: bool = False) -> str:
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
         do_sample=False,
     )
-    tmp = out_dir + ".tmp"
+    tmp = f"{out_dir}.tmp{os.getpid()}"  # one per process: two test workers may build it at once
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.pad_token = "<|im_end|>"
     tokenizer.save_pretrained(tmp)
     open(os.path.join(tmp, DONE_MARKER), "w").close()
+    if os.path.isfile(os.path.join(out_dir, DONE_MARKER)) and not force:  # another process finished it first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out_dir
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -85,9 +86,13 @@ def train_warm_start(cfg: RootConfig, tokenizer: Tokenizer, out_dir: Path) -> No
         if (step + 1) % 50 == 0 and dist.get_rank() == 0:
             nll = float(sum(o["nll_sum"] for o in out)) * dp / normaliser
             print(f"warm start {step + 1}/{t.sft_warm_start_steps}: token nll {nll:.3f}", file=sys.stderr)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    # Written under a name of this run's own (two runs may train the same entry at once) and renamed into place;
+    # the run that renames second finds the entry there and drops its copy (both trained the same weights).
+    name = [staging_name(out_dir) if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(name, src=0)
+    tmp = out_dir.with_name(name[0])
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a killed earlier attempt's leftover
+        remove_dead_staging(out_dir)
         (tmp / "model").mkdir(parents=True, exist_ok=True)
         (tmp / "model_config.yaml").write_text(model_config_to_yaml(cfg.model))
     dist.barrier()
@@ -95,8 +100,35 @@ def train_warm_start(cfg: RootConfig, tokenizer: Tokenizer, out_dir: Path) -> No
     dist.barrier()
     if dist.get_rank() == 0:
         write_weights_manifest(tmp)
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:  # another run's entry is already there (a non-empty directory is never replaced)
+            shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
+
+
+def staging_name(out_dir: Path) -> str:
+    """The directory a run writes a cache entry into before renaming it: named by host and process."""
+    return f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_dead_staging(out_dir: Path) -> None:
+    """Remove this host's staging directories of `out_dir` whose process is gone (a killed earlier attempt's)."""
+    prefix = f"{out_dir.name}.tmp-{socket.gethostname()}-"
+    for leftover in out_dir.parent.glob(f"{out_dir.name}.tmp*"):
+        pid = leftover.name.removeprefix(prefix)
+        if leftover.name == f"{out_dir.name}.tmp" or (pid.isdigit() and not _alive(int(pid))):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def usable_cache_entry(out_dir: Path) -> bool:

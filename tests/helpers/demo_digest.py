@@ -82,10 +82,11 @@ def warm_start(overrides_: list[str]) -> None:
     warm_start_weights(cfg, load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
 
 
-def digest_arms(tmp: str) -> dict[str, dict]:
+def digest_arms(tmp: str, sft: str | None = None) -> dict[str, dict]:
+    """Each arm's digest; `sft` is a warm-start cache directory to use (default: a new one under `tmp`)."""
     from tests.helpers.multirank import run_on_ranks
 
-    sft = os.path.join(tmp, "sft")
+    sft = sft or os.path.join(tmp, "sft")
     run_on_ranks(warm_start, 1, args=(overrides(os.path.join(tmp, "unused"), sft,
                                                 ("trainer.micro_batch_max_tokens=8192",)),))
     out = {}
