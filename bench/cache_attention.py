@@ -4,7 +4,8 @@
 step of the SmolLM2-135M shape: 32 rows, 9 query heads in 3 KV groups, head dim 64, one query against T cached
 positions (10% of them masked as padding), fp32 and bf16. One thread; per (dtype, T, implementation) the best of
 5 batches of 200 calls by process CPU time (a shared box: CPU time excludes the time the process waits for a core).
-`cache_attention` uses `fused` in bf16/fp16 and `explicit` in fp32, by these numbers.
+`cache_attention` uses `fused` in bf16/fp16 and `explicit` in fp32 on the CPU, by these numbers; on a GPU the check
+pack (bench/gpu_check.py, section `decode_attention`) times both with `device_paths` at the 1.5B decode shape.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python bench/cache_attention.py`` (writes bench/results/cache_attention.json).
 """
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from exgrpo_megatron.rollout.kv_decode import explicit_cache_attention, fused_cache_attention
+from exgrpo_megatron.rollout.kv_decode import cache_attention, explicit_cache_attention, fused_cache_attention
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "cache_attention.json")
 ROWS, HEADS, GROUPS, HEAD_DIM = 32, 9, 3, 64
@@ -33,6 +34,39 @@ def cpu_microseconds(fn, calls: int = 200, batches: int = 5) -> float:
             fn()
         best = min(best, (time.process_time() - start) / calls)
     return best * 1e6
+
+
+def device_paths(device: str, rows: int, heads: int, groups: int, head_dim: int, cached: int,
+                 dtype: torch.dtype, calls: int = 50) -> dict:
+    """Both paths and the engine's choice (`cache_attention`) at one decode shape on `device`, by wall time
+    (synchronised): the mean microseconds of `calls` calls after a warm-up, and the largest |difference| between
+    the two paths' outputs."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, rows, heads, head_dim, generator=gen).to(device, dtype)
+    keys, values = (torch.randn(rows, groups, cached, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+    mask = torch.rand(rows, 1, 1, cached, generator=gen) > 0.1
+    mask[..., -1] = True
+    args = (q, keys, values, mask.to(device), 1 / math.sqrt(head_dim))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def wall_us(fn) -> float:
+        fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    out = {"rows": rows, "heads": heads, "groups": groups, "head_dim": head_dim, "cached_positions": cached,
+           "dtype": str(dtype).removeprefix("torch."),
+           "explicit_us": wall_us(lambda: explicit_cache_attention(*args)),
+           "fused_us": wall_us(lambda: fused_cache_attention(*args)),
+           "engine_us": wall_us(lambda: cache_attention(*args)),
+           "max_abs_diff": (explicit_cache_attention(*args).float() - fused_cache_attention(*args).float()
+                            ).abs().max().item()}
+    out["engine_path"] = "fused" if torch.equal(cache_attention(*args), fused_cache_attention(*args)) else "explicit"
+    return out
 
 
 def main() -> None:

@@ -19,6 +19,9 @@ one that crashes is recorded with its error and the others still run. Sections:
   random model never stops): generated tokens/s of our engine, trained tokens/s, step time, peak GPU memory,
   and MFU against the measured bf16 peak, with the decode's roofline (max of weight bytes / bandwidth and
   FLOPs / peak per decode step).
+* ``decode_attention``: the engine's two attention paths over the KV cache (rollout/kv_decode.py) and the one it
+  takes, timed at the 1.5B decode shape (512 rows, 12 query heads in 2 groups, head dim 128, 256 cached positions,
+  bf16; bench/cache_attention.py's ``device_paths``).
 * ``moe``: the trainer with the demo's Qwen3-MoE model and routing replay on (one device, EP=1), bf16: whether it
   runs, the engine-vs-training routing disagreement it measures, the experts' balance, the step time.
 
@@ -267,6 +270,16 @@ def moe(steps: int, smoke: bool) -> dict:
             "reward_mean": mean("reward/mean")}
 
 
+def decode_attention(smoke: bool) -> dict:
+    import torch
+    from cache_attention import device_paths
+
+    device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() and not smoke else ("cpu", torch.float32)
+    shape = dict(rows=4, heads=4, groups=2, head_dim=16, cached=16) if smoke else \
+        dict(rows=512, heads=12, groups=2, head_dim=128, cached=256)
+    return device_paths(device, dtype=dtype, calls=5 if smoke else 50, **shape)
+
+
 def derived(result: dict) -> dict:
     """MFU and roofline shares from the measured sections (when both ran)."""
     pk, step = result.get("peaks", {}), result.get("rl_step", {})
@@ -302,7 +315,8 @@ def _run_section(args: list[str], env: dict[str, str] | None, timeout: float) ->
     return out
 
 
-SECTIONS = ("environment", "peaks", "numerics", "rl_step", "moe")
+SECTIONS = ("environment", "peaks", "numerics", "rl_step", "decode_attention", "moe")
+TIMEOUT_S = {"environment": 300, "peaks": 300, "rl_step": 900, "decode_attention": 300, "moe": 600}
 
 
 def run_all(out_path: str, smoke: bool, steps: int, sections: tuple[str, ...] = SECTIONS) -> dict:
@@ -312,16 +326,9 @@ def run_all(out_path: str, smoke: bool, steps: int, sections: tuple[str, ...] = 
     result: dict[str, Any] = {"smoke": smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     result["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO
                                       ).stdout.strip() or "unknown"
-    if "environment" in sections:
-        result["environment"] = _run_section(["environment"], None, 300)
-    if "peaks" in sections:
-        result["peaks"] = _run_section(["peaks"] + (["--smoke"] if smoke else []), None, 300)
-    if "numerics" in sections:
-        result["numerics"] = _numerics(gpu, smoke)
-    if "rl_step" in sections:
-        result["rl_step"] = _run_section(["rl_step", str(steps)] + (["--smoke"] if smoke else []), None, 900)
-    if "moe" in sections:
-        result["moe"] = _run_section(["moe", str(steps)] + (["--smoke"] if smoke else []), None, 600)
+    for name in (n for n in SECTIONS if n in sections):  # each in its own process, numerics one per arm
+        args = [name, *([str(steps)] if name in ("rl_step", "moe") else []), *(["--smoke"] if smoke else [])]
+        result[name] = _numerics(gpu, smoke) if name == "numerics" else _run_section(args, None, TIMEOUT_S[name])
     result["derived"] = derived(result)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
@@ -348,18 +355,13 @@ def section_main(argv: list[str]) -> None:
     name, rest = argv[0], argv[1:]
     smoke = "--smoke" in rest
     rest = [a for a in rest if a != "--smoke"]
-    if name == "environment":
-        out = environment()
-    elif name == "peaks":
-        out = peaks(smoke)
-    elif name == "numerics":
-        out = _numerics_arm(rest[0], rest[1], smoke)
-    elif name == "rl_step":
-        out = _rl_step_arm(int(rest[0]), smoke)
-    elif name == "moe":
-        out = moe(int(rest[0]), smoke)
-    else:
+    runners = {"environment": environment, "peaks": lambda: peaks(smoke),
+               "numerics": lambda: _numerics_arm(rest[0], rest[1], smoke),
+               "rl_step": lambda: _rl_step_arm(int(rest[0]), smoke),
+               "decode_attention": lambda: decode_attention(smoke), "moe": lambda: moe(int(rest[0]), smoke)}
+    if name not in runners:
         raise SystemExit(f"unknown section {name!r}")
+    out = runners[name]()
     print(json.dumps(out))
 
 
@@ -378,7 +380,7 @@ def main() -> None:
     card = (torch.cuda.get_device_name(0) if torch.cuda.is_available() and not a.cpu_smoke else "cpu")
     out = a.out or str(REPO / "bench" / "results" / f"gpu_check_{card.lower().replace(' ', '_')}.json")
     result = run_all(out, a.cpu_smoke, a.steps, tuple(a.sections.split(",")))
-    summary = {k: v for k, v in result.items() if k in ("environment", "peaks", "derived", "moe")}
+    summary = {k: v for k, v in result.items() if k in ("environment", "peaks", "derived", "decode_attention", "moe")}
     if "numerics" in result:
         summary["numerics"] = result["numerics"]["compare"] or result["numerics"]["arms"]
     if "rl_step" in result:

@@ -51,7 +51,7 @@ PRESETS = {  # name -> ModelConfig overrides
     # SmolLM2-135M-Instruct's shape (conf/model/smollm2_135m.yaml), random weights
     "smollm2": dict(family="llama", num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
                     num_query_groups=3, vocab_size=49152, make_vocab_size_divisible_by=128, rope_theta=100000.0,
-                    rms_norm_eps=1e-5, qkv_bias=False, tie_word_embeddings=True),
+                    rms_norm_eps=1e-5, tie_word_embeddings=True),
 }
 SCENARIOS = {  # preset -> [(name, prompts, n, min prompt len, max prompt len, new tokens)]
     "tiny": [("16 prompts x n=1, len 16-48", 16, 1, 16, 48, 64), ("4 prompts x n=8, len 16-48", 4, 8, 16, 48, 64)],

@@ -54,7 +54,7 @@ def test_derived_mfu_and_decode_roofline_from_measured_sections():
 def test_cpu_smoke_runs_the_numerics_and_the_trainer_sections(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--cpu-smoke", "--out", str(out),
-                           "--steps", "2", "--sections", "environment,numerics,rl_step,moe"],
+                           "--steps", "2", "--sections", "environment,numerics,rl_step,decode_attention,moe"],
                           capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -67,6 +67,9 @@ def test_cpu_smoke_runs_the_numerics_and_the_trainer_sections(tmp_path):
     step = result["rl_step"]
     assert step["ok"] and step["exit_code"] == 0
     assert step["generate_tokens_per_s"] > 0 and step["train_tokens_per_s"] > 0
+    attention = result["decode_attention"]
+    assert attention["ok"] and attention["engine_path"] == "explicit", attention  # fp32 in the smoke run
+    assert attention["max_abs_diff"] < 1e-5 and attention["fused_us"] > 0 and attention["explicit_us"] > 0
     moe = result["moe"]
     assert moe["ok"] and moe["exit_code"] == 0 and moe["steps"] == 2, moe
     assert moe["routing_replayed_share"] > 0.5 and 0.0 <= moe["routing_disagreement"] <= 1.0

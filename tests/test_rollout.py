@@ -388,12 +388,17 @@ def test_kv_cache_rope_is_megatrons_formula_bit_for_bit(dtype):
             assert torch.equal(apply_rope(x, cos[: x.shape[0]], signed_sin(sin)[: x.shape[0]]), want), (rot, x.shape)
 
 
+@pytest.mark.parametrize("path", ["cache_attention", "explicit_cache_attention", "fused_cache_attention"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
-def test_cache_attention_equals_the_float64_formula(dtype, tol):
-    """Decode attention over the cache (fp32: explicit matmuls; bf16: torch's fused kernel) against float64
-    softmax(scale q k^T + mask) v with megatron's GQA grouping g(h) = h // (heads / groups), for one decode query
-    and a prefill block with a causal | padding mask."""
-    from exgrpo_megatron.rollout.kv_decode import attention_mask, cache_attention
+def test_cache_attention_equals_the_float64_formula(dtype, tol, path):
+    """Decode attention over the cache, both paths and the engine's choice between them (on the CPU: explicit
+    matmuls in fp32, torch's fused kernel in bf16; on CUDA explicit), against float64 softmax(scale q k^T + mask) v
+    with megatron's GQA grouping g(h) = h // (heads / groups), for one decode query and a prefill block with a
+    causal | padding mask."""
+    from exgrpo_megatron.rollout import kv_decode
+    from exgrpo_megatron.rollout.kv_decode import attention_mask
+
+    cache_attention = getattr(kv_decode, path)
 
     gen = torch.Generator().manual_seed(0)
     b, heads, groups, d, total = 3, 6, 2, 16, 9
@@ -410,6 +415,15 @@ def test_cache_attention_equals_the_float64_formula(dtype, tol):
         want = torch.einsum("bhst,bhtd->sbhd", probs, v.double()[:, group_of]).reshape(s, b, heads * d)
         got = cache_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.25)
         assert got.dtype == dtype and (got.double() - want).abs().max() <= tol, (dtype, start)
+
+
+def test_cache_attention_takes_the_fused_kernel_only_for_half_precision_off_cuda():
+    from exgrpo_megatron.rollout.kv_decode import cache_attention_path
+
+    assert cache_attention_path(torch.bfloat16, "cpu") == cache_attention_path(torch.float16, "cpu") == "fused"
+    assert cache_attention_path(torch.float32, "cpu") == "explicit"
+    # CUDA: enable_gqa with a mask would run torch's math kernel, which copies the cache to every query head
+    assert {cache_attention_path(d, "cuda") for d in (torch.bfloat16, torch.float16, torch.float32)} == {"explicit"}
 
 
 def test_splice_replay_layout():
