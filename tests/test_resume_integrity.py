@@ -220,7 +220,8 @@ def sft_entry_written_twice(cache: str) -> dict:
         (d / "model").mkdir(parents=True)
     assert warm_start_weights(cfg, tokenizer) == entry
     train_warm_start(cfg, tokenizer, entry)  # the second run finishes after the first renamed its entry
-    return {"problem": weights_problem(entry), "left": sorted(p.name for p in Path(cache).iterdir())}
+    return {"problem": weights_problem(entry),
+            "left": sorted(p.name for p in Path(cache).iterdir() if p.suffix != ".lock")}
 
 
 def test_two_runs_training_the_same_sft_entry_keep_one_and_clean_only_dead_staging(tmp_path):
@@ -229,6 +230,48 @@ def test_two_runs_training_the_same_sft_entry_keep_one_and_clean_only_dead_stagi
     entry = min(got["left"], key=len)
     assert got["left"] == sorted([entry, next(n for n in got["left"] if n != entry)])  # the entry + the live one's
     assert got["left"][1].startswith(f"{entry}.tmp-") and not got["left"][1].endswith("-999999999")
+
+
+def sft_entry_after_waiting(cache: str) -> dict:
+    import time
+
+    from exgrpo_megatron.checkpoint.integrity import weights_problem
+    from exgrpo_megatron.data.tokenizer import load_tokenizer
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.policy.warm_start import warm_start_weights
+
+    cfg = load_config("demo_cpu", [*TINY, "trainer.sft_warm_start_steps=2", f"trainer.sft_cache_dir={cache}",
+                                   "data.num_train_examples=32"])
+    init_distributed(1, 1, seed=cfg.seed)
+    entry = warm_start_weights(cfg, load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
+    return {"entry": str(entry), "finished": time.time(), "problem": weights_problem(entry)}
+
+
+def test_a_run_waits_for_another_training_the_same_sft_entry(tmp_path, capfd):
+    """A run holding the entry's lock (here this test, for 6 s) makes a second wait; the second then trains and
+    seals the entry once the lock is free (a first run that had made it would let the second just load it)."""
+    import fcntl
+    import threading
+    import time
+
+    from exgrpo_megatron.policy.warm_start import cache_key
+
+    cache = tmp_path / "sft"
+    cache.mkdir()
+    key = cache_key(load_config("demo_cpu", [*TINY, "trainer.sft_warm_start_steps=2", f"trainer.sft_cache_dir={cache}",
+                                             "data.num_train_examples=32"]))
+    released: list[float] = []
+
+    def release() -> None:
+        released.append(time.time())
+        held.close()
+
+    with open(cache / f"{key}.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        threading.Timer(6.0, release).start()
+        got = run_on_ranks(sft_entry_after_waiting, 1, args=(str(cache),))[0]
+    assert got["finished"] > released[0] and got["problem"] is None, got  # old code: trained beside the holder
+    assert "another run is training the warm-start entry" in capfd.readouterr().err
 
 
 # ------------------------------------------------------------------ disk full (a real tmpfs)

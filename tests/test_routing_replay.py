@@ -222,11 +222,12 @@ class _RoutingSeen:
         self.observer = Observer()
 
 
-def train_with_routing_replay(run_dir: str) -> dict:
+def train_with_routing_replay(run_dir: str, sft_cache_dir: str) -> dict:
     from exgrpo_megatron.trainer import run_training
 
     # the MoE demo model, warm-started (demo_cpu): some answers right, so the pool fills and replays from step 2
     cfg = load_config("demo_cpu", ["model=demo_qwen3_moe", "model.params_dtype=fp32",
+                                   f"trainer.sft_cache_dir={sft_cache_dir}",
                                    "model.moe_token_dispatcher=allgather", "model.moe_routing_replay=true",
                                    f"logging.run_dir={run_dir}", "trainer.total_steps=2", "trainer.train_batch_size=8",
                                    "rollout.n=4", "experience.delayed_start_pass_rate=0",
@@ -239,8 +240,8 @@ def train_with_routing_replay(run_dir: str) -> dict:
     return {"seen": seen.seen, "metrics": read_metrics(f"{run_dir}/metrics.jsonl")}
 
 
-def test_the_trainer_replays_the_engines_routing(tmp_path):
-    out = run_on_ranks(train_with_routing_replay, 1, args=(str(tmp_path / "run"),))[0]
+def test_the_trainer_replays_the_engines_routing(tmp_path, sft_cache_dir):
+    out = run_on_ranks(train_with_routing_replay, 1, args=(str(tmp_path / "run"), sft_cache_dir))[0]
     seen = out["seen"]
     # every generated row carries its recording; a trajectory replayed from the pool none (its current router decides)
     pool = [(m["phase"], m.get("experience/questions"), m["experience/n_replayed"], m["reward/mean"])

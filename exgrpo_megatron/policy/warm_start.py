@@ -11,12 +11,15 @@ removed and trained again.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -153,9 +156,36 @@ def usable_cache_entry(out_dir: Path) -> bool:
 def warm_start_weights(cfg: RootConfig, tokenizer: Tokenizer) -> Path:
     """The cached warm-start checkpoint for this config (verified), trained first if missing or damaged."""
     out_dir = Path(cfg.trainer.sft_cache_dir) / cache_key(cfg)
-    if not usable_cache_entry(out_dir):
-        if dist.get_rank() == 0:
-            print(f"exgrpo-train: supervised warm start ({cfg.trainer.sft_warm_start_steps} steps) -> {out_dir}",
-                  file=sys.stderr)
-        train_warm_start(cfg, tokenizer, out_dir)
+    with entry_lock(out_dir):
+        if not usable_cache_entry(out_dir):
+            if dist.get_rank() == 0:
+                print(f"exgrpo-train: supervised warm start ({cfg.trainer.sft_warm_start_steps} steps) -> {out_dir}",
+                      file=sys.stderr)
+            train_warm_start(cfg, tokenizer, out_dir)
     return out_dir
+
+
+@contextmanager
+def entry_lock(out_dir: Path) -> Iterator[None]:
+    """Collective: rank 0 holds an exclusive flock on `<entry>.lock` while the block runs, so a second run
+    warm-starting the same entry waits for the first and then finds it made, instead of training it again. The
+    kernel releases the lock of a killed run. Where the filesystem has no flock nothing is held (the staging names
+    of `train_warm_start` still keep two writers apart)."""
+    handle = None
+    if dist.get_rank() == 0:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(out_dir.with_name(out_dir.name + ".lock"), "a+")  # noqa: SIM115 - closed below
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"exgrpo-train: another run is training the warm-start entry {out_dir}; waiting for it",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # no flock on this filesystem
+            pass
+    dist.barrier()
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()
