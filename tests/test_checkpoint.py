@@ -34,8 +34,9 @@ from exgrpo_megatron.checkpoint import (
     save_model_weights,
 )
 from exgrpo_megatron.checkpoint import layout as L
+from exgrpo_megatron.distributed.launch_env import free_local_port
 from tests.checkpoint_worker import TINY, build_tiny_trainer, full_weights, synthetic_pool_shard, train_step
-from tests.helpers.multirank import free_port, run_on_ranks
+from tests.helpers.multirank import run_on_ranks
 from tests.helpers.rank_processes import log_tail, reap, start_rank_process
 
 LOSS_RTOL = 1e-6
@@ -316,7 +317,7 @@ def test_errors_retention_and_latest_pointer(tmp_path):
 
 def _start_script(mode: str, run_dir: Path, rank: int = 0, world: int = 1, port: int | None = None):
     return start_rank_process(["-m", "tests.checkpoint_worker", mode, str(run_dir)], run_dir / f"{mode}_{rank}.log",
-                              rank, world, port or free_port())
+                              rank, world, port or free_local_port())
 
 
 def _finish(proc, timeout: float = 400) -> int:
@@ -347,7 +348,7 @@ def test_sigkill_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
 
 
 def test_sigterm_on_one_rank_stops_all_ranks_after_saving(tmp_path):
-    port = free_port()
+    port = free_local_port()
     procs = [_start_script("preempt", tmp_path, rank=r, world=2, port=port) for r in range(2)]
     try:
         deadline = time.time() + 300

@@ -248,9 +248,11 @@ def sft_entry_after_waiting(cache: str) -> dict:
 
 
 def test_a_run_waits_for_another_training_the_same_sft_entry(tmp_path, capfd):
-    """A run holding the entry's lock (here this test, for 6 s) makes a second wait; the second then trains and
-    seals the entry once the lock is free (a first run that had made it would let the second just load it)."""
+    """A run holding the entry's lock (here this test, until the kernel lists the second run as blocked on it)
+    makes a second wait; the second then trains and seals the entry once the lock is free (a first run that had
+    made it would let the second just load it)."""
     import fcntl
+    import os
     import threading
     import time
 
@@ -262,14 +264,22 @@ def test_a_run_waits_for_another_training_the_same_sft_entry(tmp_path, capfd):
                                              "data.num_train_examples=32"]))
     released: list[float] = []
 
-    def release() -> None:
+    def release_once_a_run_waits(held, inode: int) -> None:
+        """Close the held lock once the kernel lists a process blocked on it (/proc/locks: '-> FLOCK ...')."""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(
+                "->" in line and line.split()[-3].endswith(f":{inode}")
+            for line in Path("/proc/locks").read_text().splitlines()):
+            time.sleep(0.05)
         released.append(time.time())
         held.close()
 
     with open(cache / f"{key}.lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        threading.Timer(6.0, release).start()
+        waiter = threading.Thread(target=release_once_a_run_waits, args=(held, os.fstat(held.fileno()).st_ino))
+        waiter.start()
         got = run_on_ranks(sft_entry_after_waiting, 1, args=(str(cache),))[0]
+        waiter.join()
     assert got["finished"] > released[0] and got["problem"] is None, got  # old code: trained beside the holder
     assert "another run is training the warm-start entry" in capfd.readouterr().err
 

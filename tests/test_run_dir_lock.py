@@ -113,6 +113,23 @@ def test_two_single_process_runs_on_one_machine_do_not_collide_on_the_port():
         assert code == 0 and "up" in out, err[-2000:]
 
 
+def test_a_free_port_is_drawn_below_the_ephemeral_range_where_connections_cannot_take_it():
+    """The OS gives outgoing connections (gloo opens many) ports from its ephemeral range: a port found free there
+    could be taken before the store binds it (seen with three test workers: EADDRINUSE at rank 0's store)."""
+    import socket
+
+    from exgrpo_megatron.distributed.launch_env import ephemeral_port_low, free_local_port
+
+    low = ephemeral_port_low()
+    ports = {free_local_port() for _ in range(20)}
+    if low:  # Linux
+        assert all(1024 <= p < low for p in ports), (low, sorted(ports))  # old code: the OS's pick, from the range
+        assert len(ports) > 1  # drawn at random: two runs starting together rarely try the same one
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
 def test_a_damaged_token_cache_entry_is_rebuilt(tmp_path):
     from exgrpo_megatron.data.token_cache import cached_prompt_dataset
     from exgrpo_megatron.data.tokenizer import CharTokenizer

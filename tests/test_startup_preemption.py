@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from exgrpo_megatron.distributed.launch_env import free_local_port
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE
-from tests.helpers.multirank import free_port
 from tests.helpers.rank_processes import log_tail, reap, start_rank_process
 from tests.test_trainer_resume import _overrides, _write_dataset
 
@@ -28,7 +28,7 @@ def _train_args(run_dir: Path, data: str) -> list[str]:
 
 def _start(point: str, run_dir: Path, data: str, tag: str):
     return start_rank_process(["-m", "tests.startup_signal_worker", point, "--", *_train_args(run_dir, data)],
-                              run_dir.parent / f"{tag}.log", 0, 1, free_port())
+                              run_dir.parent / f"{tag}.log", 0, 1, free_local_port())
 
 
 def _snapshot(run_dir: Path) -> dict[str, int]:

@@ -31,8 +31,8 @@ import torch
 from exgrpo_megatron.checkpoint import REQUEUE_EXIT_CODE, find_latest
 from exgrpo_megatron.checkpoint.checkpointer import POOL_MANIFEST_FILE, read_root_manifest
 from exgrpo_megatron.checkpoint.pool_io import read_pool_shards
+from exgrpo_megatron.distributed.launch_env import free_local_port
 from exgrpo_megatron.logging import read_metrics
-from tests.helpers.multirank import free_port
 from tests.helpers.rank_processes import log_tail, reap, start_rank_process
 
 N_STEPS = 6
@@ -68,7 +68,7 @@ def _launch(run_dir: Path, overrides: list[str], world: int = 1, worker_args: tu
             tag: str = "run") -> list[subprocess.Popen]:
     """One worker process per rank (see tests/helpers/rank_processes.py), output to run_dir/<tag>_<rank>.log."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = free_local_port()
     args = ["-m", "tests.trainer_resume_worker", str(run_dir), *worker_args, "--", *overrides]
     return [start_rank_process(args, run_dir / f"{tag}_{rank}.log", rank, world, port) for rank in range(world)]
 

@@ -3,13 +3,14 @@
 torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT. Under `srun` (one task per GPU)
 Slurm sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and SLURM_JOB_NODELIST; the master is the
 first host of the node list. A plain `python` process is rank 0 of 1; without MASTER_PORT it rendezvouses on a
-free port the OS picks (two single-process runs on one machine must not collide on 29500). torchrun and Slurm
+free port (`free_local_port`: two single-process runs on one machine must not collide on 29500). torchrun and Slurm
 keep the launcher's port: every rank must agree on it.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 from collections.abc import Mapping
@@ -68,7 +69,28 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
 
 def free_local_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    """A TCP port on 127.0.0.1 that is free now, drawn at random below the OS's ephemeral range: a port from that
+    range (the OS hands them to outgoing connections, and gloo opens many) could be taken by another process's
+    connection between this check and the store's bind. Outside Linux: one the OS picks."""
+    low = ephemeral_port_low()
+    rng = random.SystemRandom()
+    for _ in range(200 if low else 0):
+        port = rng.randrange(max(1024, low // 2), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def ephemeral_port_low() -> int:
+    """The first port of the OS's ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range), 0 if unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0

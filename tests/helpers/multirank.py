@@ -5,6 +5,13 @@
 `my_fn` must be importable (module-level in a test module). Each rank gets RANK/WORLD_SIZE/
 MASTER_* in its environment, one intra-op thread, and tears down megatron's parallel state and the
 process group on exit. An exception on any rank fails the call with that rank's traceback.
+
+The ranks are forked from a fork server of this module's own (`RANK_SERVER`) that imported torch, megatron-core,
+transformers and the trainer once: a spawned rank spends ~7 s of CPU importing them, which over the suite's
+hundreds of ranks was most of `make test`'s time. A rank still starts as a spawned one would: the caller's
+environment, working directory and sys.path, fresh multiprocessing state, default signal handlers (Python's own
+forkserver machinery; only the server instance is ours, so the process-wide one the grader pools use keeps its
+preload and signal handling).
 """
 
 from __future__ import annotations
@@ -12,21 +19,43 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from collections.abc import Callable
+from multiprocessing import context, forkserver, popen_forkserver
 from typing import Any
 
+from exgrpo_megatron.distributed.launch_env import free_local_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PRELOAD = ["torch", "numpy", "transformers", "megatron.core", "exgrpo_megatron.trainer", "exgrpo_megatron.evaluate",
+           "tests.helpers.rank_processes"]
+RANK_SERVER = forkserver.ForkServer()
+RANK_SERVER.set_forkserver_preload(PRELOAD)
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue) -> None:
+class _RankPopen(popen_forkserver.Popen):
+    """Python's forkserver Popen, connecting to RANK_SERVER instead of the process-wide server."""
+
+    def _launch(self, process_obj) -> None:
+        shared = forkserver.connect_to_new_process
+        forkserver.connect_to_new_process = RANK_SERVER.connect_to_new_process
+        try:
+            super()._launch(process_obj)
+        finally:
+            forkserver.connect_to_new_process = shared
+
+
+class _RankProcess(context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _RankPopen(process_obj)
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue,
+            environ: dict[str, str]) -> None:
     from tests.helpers.rank_processes import rank_env
 
+    os.environ.clear()  # the caller's environment now, not the server's at its start
+    os.environ.update(environ)
     os.environ.update(rank_env(rank, world_size, port))
     import warnings
 
@@ -56,13 +85,11 @@ def run_on_ranks(
     kwargs: dict | None = None,
     timeout: float = 600.0,
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, queue), daemon=False)
-        for r in range(world_size)
-    ]
+    queue = mp.get_context("forkserver").Queue()
+    port = free_local_port()
+    environ = dict(os.environ)
+    procs = [_RankProcess(target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, queue, environ),
+                          daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -1,6 +1,6 @@
 """Worker scripts run as real OS processes, one per rank (for tests that kill or signal them).
 
-    proc = start_rank_process(["-m", "tests.my_worker", arg], log_path, rank=0, world=1, port=free_port())
+    proc = start_rank_process(["-m", "tests.my_worker", arg], log_path, rank=0, world=1, port=free_local_port())
     assert reap(proc, timeout=400) == 0, log_tail([proc])
 
 Each process runs in its own session with its output in a file (a pipe would be held open by the
