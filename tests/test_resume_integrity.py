@@ -233,6 +233,8 @@ def test_two_runs_training_the_same_sft_entry_keep_one_and_clean_only_dead_stagi
 
 
 def sft_entry_after_waiting(cache: str) -> dict:
+    import contextlib
+    import io
     import time
 
     from exgrpo_megatron.checkpoint.integrity import weights_problem
@@ -243,11 +245,12 @@ def sft_entry_after_waiting(cache: str) -> dict:
     cfg = load_config("demo_cpu", [*TINY, "trainer.sft_warm_start_steps=2", f"trainer.sft_cache_dir={cache}",
                                    "data.num_train_examples=32"])
     init_distributed(1, 1, seed=cfg.seed)
-    entry = warm_start_weights(cfg, load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
-    return {"entry": str(entry), "finished": time.time(), "problem": weights_problem(entry)}
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        entry = warm_start_weights(cfg, load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
+    return {"entry": str(entry), "finished": time.time(), "problem": weights_problem(entry), "stderr": err.getvalue()}
 
 
-def test_a_run_waits_for_another_training_the_same_sft_entry(tmp_path, capfd):
+def test_a_run_waits_for_another_training_the_same_sft_entry(tmp_path):
     """A run holding the entry's lock (here this test, until the kernel lists the second run as blocked on it)
     makes a second wait; the second then trains and seals the entry once the lock is free (a first run that had
     made it would let the second just load it)."""
@@ -281,7 +284,7 @@ def test_a_run_waits_for_another_training_the_same_sft_entry(tmp_path, capfd):
         got = run_on_ranks(sft_entry_after_waiting, 1, args=(str(cache),))[0]
         waiter.join()
     assert got["finished"] > released[0] and got["problem"] is None, got  # old code: trained beside the holder
-    assert "another run is training the warm-start entry" in capfd.readouterr().err
+    assert "another run is training the warm-start entry" in got["stderr"], got
 
 
 # ------------------------------------------------------------------ disk full (a real tmpfs)
