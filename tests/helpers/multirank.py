@@ -26,6 +26,9 @@ from typing import Any
 
 from exgrpo_megatron.distributed.launch_env import free_local_port
 
+# "fork_server": ranks fork from RANK_SERVER; "spawn": each rank a new interpreter, for code that relies on a process's
+# normal exit (vLLM's CPU workers unlink their shared-memory segments only then: tests/vllm/conftest.py).
+START_METHOD = "fork_server"
 PRELOAD = ["torch", "numpy", "transformers", "megatron.core", "exgrpo_megatron.trainer", "exgrpo_megatron.evaluate",
            "tests.helpers.rank_processes"]
 RANK_SERVER = forkserver.ForkServer()
@@ -85,11 +88,13 @@ def run_on_ranks(
     kwargs: dict | None = None,
     timeout: float = 600.0,
 ) -> list[Any]:
-    queue = mp.get_context("forkserver").Queue()
+    ctx = mp.get_context("spawn" if START_METHOD == "spawn" else "forkserver")
+    process = ctx.Process if START_METHOD == "spawn" else _RankProcess
+    queue = ctx.Queue()
     port = free_local_port()
     environ = dict(os.environ)
-    procs = [_RankProcess(target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, queue, environ),
-                          daemon=False) for r in range(world_size)]
+    procs = [process(target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, queue, environ),
+                     daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
