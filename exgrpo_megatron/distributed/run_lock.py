@@ -51,7 +51,8 @@ def holder_text(holder: dict[str, Any]) -> str:
     return f"pid {holder.get('pid')} on host {holder.get('host')}{job}, since {holder.get('started')}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Is a process with this pid running on this host (one of another user's counts as running)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -73,7 +74,7 @@ def _process_start(pid: int) -> int | None:
 
 def _holder_alive(holder: dict[str, Any]) -> bool:
     pid = int(holder.get("pid", -1))
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return False
     recorded = holder.get("pid_start")
     return recorded is None or _process_start(pid) in (None, recorded)

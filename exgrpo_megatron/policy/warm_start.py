@@ -29,6 +29,7 @@ import torch.distributed as dist
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.synthetic import task_fingerprint, warm_start_examples
 from exgrpo_megatron.data.tokenizer import Tokenizer
+from exgrpo_megatron.distributed.run_lock import pid_alive
 from exgrpo_megatron.policy.batch import MicroBatch, collate, plan_micro_batches
 from exgrpo_megatron.policy.output_layer import LastStageOutput
 from exgrpo_megatron.policy.policy import LossFn, Policy
@@ -120,18 +121,8 @@ def remove_dead_staging(out_dir: Path) -> None:
     prefix = f"{out_dir.name}.tmp-{socket.gethostname()}-"
     for leftover in out_dir.parent.glob(f"{out_dir.name}.tmp*"):
         pid = leftover.name.removeprefix(prefix)
-        if leftover.name == f"{out_dir.name}.tmp" or (pid.isdigit() and not _alive(int(pid))):
+        if leftover.name == f"{out_dir.name}.tmp" or (pid.isdigit() and not pid_alive(int(pid))):
             shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def usable_cache_entry(out_dir: Path) -> bool:
