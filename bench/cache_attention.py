@@ -19,7 +19,12 @@ import time
 
 import torch
 
-from exgrpo_megatron.rollout.kv_decode import cache_attention, explicit_cache_attention, fused_cache_attention
+from exgrpo_megatron.rollout.kv_decode import (
+    cache_attention,
+    cache_attention_path,
+    explicit_cache_attention,
+    fused_cache_attention,
+)
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "cache_attention.json")
 ROWS, HEADS, GROUPS, HEAD_DIM = 32, 9, 3, 64
@@ -65,7 +70,7 @@ def device_paths(device: str, rows: int, heads: int, groups: int, head_dim: int,
            "engine_us": wall_us(lambda: cache_attention(*args)),
            "max_abs_diff": (explicit_cache_attention(*args).float() - fused_cache_attention(*args).float()
                             ).abs().max().item()}
-    out["engine_path"] = "fused" if torch.equal(cache_attention(*args), fused_cache_attention(*args)) else "explicit"
+    out["engine_path"] = cache_attention_path(q.dtype, q.device.type)
     return out
 
 

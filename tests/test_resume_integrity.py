@@ -203,6 +203,7 @@ def test_a_damaged_sft_cache_entry_is_rebuilt(tmp_path):
 def sft_entry_written_twice(cache: str) -> dict:
     """Two runs trained the same entry: the second renames after the first; a killed run's staging is left."""
     import os
+    import socket
 
     from exgrpo_megatron.checkpoint.integrity import weights_problem
     from exgrpo_megatron.data.tokenizer import load_tokenizer
@@ -214,8 +215,8 @@ def sft_entry_written_twice(cache: str) -> dict:
     init_distributed(1, 1, seed=cfg.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
     entry = Path(cache) / cache_key(cfg)
-    dead = Path(cache) / f"{entry.name}.tmp-{os.uname().nodename}-999999999"  # no such process
-    live = Path(cache) / f"{entry.name}.tmp-{os.uname().nodename}-{os.getppid()}"  # a run still writing
+    dead = Path(cache) / f"{entry.name}.tmp-{socket.gethostname()}-999999999"  # no such process
+    live = Path(cache) / f"{entry.name}.tmp-{socket.gethostname()}-{os.getppid()}"  # a run still writing
     for d in (dead, live):
         (d / "model").mkdir(parents=True)
     assert warm_start_weights(cfg, tokenizer) == entry

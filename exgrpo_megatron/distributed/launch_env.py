@@ -71,17 +71,19 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 def free_local_port() -> int:
     """A TCP port on 127.0.0.1 that is free now, drawn at random below the OS's ephemeral range: a port from that
     range (the OS hands them to outgoing connections, and gloo opens many) could be taken by another process's
-    connection between this check and the store's bind. Outside Linux: one the OS picks."""
+    connection between this check and the store's bind. Outside Linux (or with no room below the range): one the OS
+    picks."""
     low = ephemeral_port_low()
-    rng = random.SystemRandom()
-    for _ in range(200 if low else 0):
-        port = rng.randrange(max(1024, low // 2), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    if low > 2048:  # else no room below the range: take the OS's pick
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(max(1024, low // 2), low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -88,8 +88,9 @@ def run_on_ranks(
     kwargs: dict | None = None,
     timeout: float = 600.0,
 ) -> list[Any]:
-    ctx = mp.get_context("spawn" if START_METHOD == "spawn" else "forkserver")
-    process = ctx.Process if START_METHOD == "spawn" else _RankProcess
+    spawn = START_METHOD == "spawn"
+    ctx = mp.get_context("spawn" if spawn else "forkserver")
+    process = ctx.Process if spawn else _RankProcess
     queue = ctx.Queue()
     port = free_local_port()
     environ = dict(os.environ)
