@@ -10,13 +10,15 @@ generated trajectory, from the committed records only.
   the same number of generated trajectories -- the smaller of the two runs' totals, each run's validation curve
   interpolated linearly in generated trajectories there -- paired by seed; and the generated trajectories to reach the
   validation threshold (paired over the seeds where both runs reach it);
-* weak start: final minus start on the test split, collapsed runs, and the paired difference to weak GRPO.
+* weak start: each recipe from the weak warm start, its final minus start on the test split and collapsed runs, and
+  the same paired differences per step and per generated trajectory against weak GRPO and weak ExGRPO (same code).
 Paired differences: mean and 95% CI over seeds (fidelity_analysis.ci95: t quantile, n - 1 degrees of freedom).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import fidelity_analysis as fa
 
@@ -56,77 +58,114 @@ def _runs(root: str, variant: str, lr: float, seeds: list[int]) -> dict[int, dic
     return {s: r for s, r in fa._runs_by_seed(root, variant, lr, seeds).items() if "test" in r}
 
 
+def versus(runs: dict[int, dict], others: dict[str, dict[int, dict]], threshold: float) -> dict:
+    """Paired differences of `runs` against each baseline that has runs: per step and per generated trajectory."""
+    return {other: {"per_step": fa.paired_difference(runs, other_runs),
+                    "per_trajectory": per_trajectory(runs, other_runs, threshold)}
+            for other, other_runs in others.items() if other_runs}
+
+
 def analyse_recipes(root: str, recipes: dict, weak: dict, matched: dict, best: dict, seeds: list[int],
                     threshold: float, png: str) -> dict:
     if not best.get("exgrpo") or not best.get("grpo"):
         return {}
     lr = {"exgrpo": best["exgrpo"]["lr"], "grpo": best["grpo"]["lr"]}
-    base, out = {}, {"per_recipe": {}, "weak_start": {}, "baseline": {}}
-    for arm in ("exgrpo", "grpo", "weak_grpo"):
-        rate = lr["grpo" if "grpo" in arm and "exgrpo" not in arm else "exgrpo"]
+    base: dict[str, dict[int, dict]] = {}
+    out: dict[str, Any] = {"per_recipe": {}, "weak_start": {}, "baseline": {}}
+    for arm in ("exgrpo", "grpo", "weak_exgrpo", "weak_grpo"):
+        rate = lr["exgrpo" if "exgrpo" in arm else "grpo"]
         same = _runs(root, f"{arm}_same_code", rate, seeds)
         base[arm] = same or _runs(root, arm, rate, seeds)
         out["baseline"][arm] = f"{arm}_same_code" if same else f"{arm} (recorded at an earlier code version)"
-    curves: dict[str, list[dict]] = {arm: list(runs.values()) for arm, runs in base.items() if runs}
+    curves: dict[str, dict[int, dict]] = {arm: runs for arm, runs in base.items() if runs}
     for name in (n for n in recipes if not n.endswith("_same_code")):
         runs = _runs(root, name, lr["grpo" if name.startswith("grpo") else "exgrpo"], seeds)
         if not runs:
             continue
-        curves[name] = list(runs.values())
-        row: dict = {**fa.summarize(list(runs.values()), threshold), "versus": {}}
+        curves[name] = runs
         others = {"grpo": base["grpo"], "exgrpo": base["exgrpo"]}
         if name in matched:
             others["matched " + matched[name]] = _runs(root, matched[name], lr["grpo"], seeds)
-        for other, other_runs in others.items():
-            if other_runs and name != other:
-                row["versus"][other] = {"per_step": fa.paired_difference(runs, other_runs),
-                                        "per_trajectory": per_trajectory(runs, other_runs, threshold)}
-        out["per_recipe"][name] = row
-    weak_grpo = base["weak_grpo"]
-    for name in (n for n in weak if n != "weak_grpo_same_code"):
+        out["per_recipe"][name] = {**fa.summarize(list(runs.values()), threshold),
+                                   "versus": versus(runs, others, threshold)}
+    for name in (n for n in weak if not n.endswith("_same_code")):
         runs = {s: r for s, r in _runs(root, name, lr["exgrpo"], seeds).items() if "start" in r}
-        if runs:
-            out["weak_start"][name] = {
-                **fa.summarize(list(runs.values()), threshold),
-                "final_minus_start": {k: fa.ci95([r["test"][k] - r["start"][k] for r in runs.values()])
-                                      for k in TEST_KEYS},
-                "collapsed": f"{sum(fa.collapsed(r) for r in runs.values())}/{len(runs)}",
-                "minus_weak_grpo": fa.paired_difference(runs, weak_grpo) if weak_grpo else None}
+        if not runs:
+            continue
+        curves[name] = runs
+        out["weak_start"][name] = {
+            **fa.summarize(list(runs.values()), threshold),
+            "final_minus_start": {k: fa.ci95([r["test"][k] - r["start"][k] for r in runs.values()])
+                                  for k in TEST_KEYS},
+            "collapsed": f"{sum(fa.collapsed(r) for r in runs.values())}/{len(runs)}",
+            "versus": versus(runs, {"weak_grpo": base["weak_grpo"], "weak_exgrpo": base["weak_exgrpo"]}, threshold)}
     if len(curves) > 2:
         plot(curves, png)
         out["png"] = os.path.relpath(png, os.path.dirname(os.path.dirname(png)))
     return out
 
 
-def plot(curves: dict[str, list[dict]], path: str) -> None:
+def plot(curves: dict[str, dict[int, dict]], path: str) -> None:
+    """Validation accuracy per step and per generated trajectory, and each arm minus on-policy GRPO paired by seed
+    per step; the weak-start arms in a row of their own (against weak GRPO)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, runs in curves.items():
-        x, mean, half = fa._band(runs, "val")
-        steps = [step for step, _, _ in runs[0]["val"]][:len(x)]  # every run validates at the same steps
-        for ax, xs in ((axes[0], steps), (axes[1], x)):
-            ax.plot(xs, mean, marker="o", label=f"{name} (n={len(runs)})")
-            ax.fill_between(xs, [m - h for m, h in zip(mean, half, strict=True)],
-                            [m + h for m, h in zip(mean, half, strict=True)], alpha=0.15)
-    axes[0].set_xlabel("step")
-    axes[1].set_xlabel("generated trajectories")
-    for ax in axes:
-        ax.set_ylabel("validation accuracy (T=0.6)")
-        ax.legend(fontsize="x-small")
+    rows = [(name, {n: r for n, r in curves.items() if n.startswith("weak_") == weak})
+            for name, weak in (("grpo", False), ("weak_grpo", True))]
+    rows = [(ref, row) for ref, row in rows if row]
+    fig, axes = plt.subplots(len(rows), 3, figsize=(17, 4.5 * len(rows)), squeeze=False)
+    for row_axes, (ref, row) in zip(axes, rows, strict=True):
+        for i, (name, by_seed) in enumerate(row.items()):
+            runs = list(by_seed.values())
+            x, mean, half = fa._band(runs, "val")
+            steps = [step for step, _, _ in runs[0]["val"]][:len(x)]  # every run validates at the same steps
+            paired = fa.paired_val_curve(by_seed, row[ref]) if ref in row and name != ref else None
+            for ax, xs, m, h in ((row_axes[0], steps, mean, half), (row_axes[1], x, mean, half),
+                                 (row_axes[2], *(paired or ([], [], [])))):
+                if not xs:
+                    continue
+                ax.plot(xs, m, marker="o", color=f"C{i % 10}", label=f"{name} (n={len(runs)})")
+                ax.fill_between(xs, [a - b for a, b in zip(m, h, strict=True)],
+                                [a + b for a, b in zip(m, h, strict=True)], color=f"C{i % 10}", alpha=0.15)
+        row_axes[0].set_xlabel("step")
+        row_axes[1].set_xlabel("generated trajectories")
+        row_axes[2].set_xlabel("step")
+        row_axes[2].axhline(0.0, color="black", linewidth=0.8)
+        row_axes[2].set_ylabel(f"validation accuracy minus {ref} (paired by seed)")
+        for ax in row_axes[:2]:
+            ax.set_ylabel("validation accuracy (T=0.6)")
+        for ax in row_axes:
+            ax.legend(fontsize="x-small")
     fig.suptitle("Replay recipes vs on-policy GRPO: per step and per generated trajectory (mean, 95% CI over seeds)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def _versus_lines(name: str, versus: dict) -> list[str]:
+    lines = []
+    for other, d in versus.items():
+        step, traj = d["per_step"], d["per_trajectory"]
+        t = traj["trajectories_to_threshold"]
+        t_txt = (f"{t['mean']:+.0f}" + (f" ± {t['ci95']:.0f}" if t.get("ci95") is not None else "")
+                 if t.get("mean") is not None else "n/a") + f" ({t['both_reached']})"
+        lines.append(f"| {name} - {other} | {len(step['seeds'])} | " + " | ".join(
+            fa._md(step[k], signed=True) for k in (*TEST_KEYS, "final_val"))
+            + f" | {fa._md(traj['val_at_equal_trajectories'], signed=True)} | {t_txt} |")
+    return lines
+
+
+VERSUS_HEADER = ["| {} minus (paired) | seeds | per step: greedy | avg@8 T=0.6 | avg@8 T=1.0 | val (final) | "
+                 "per trajectory: val at equal generation | trajectories to threshold |", "|---" * 8 + "|"]
 
 
 def markdown(summary: dict) -> str:
     """Tables (points, mean ± 95% CI): per recipe its numbers and the paired differences per step and per generated
-    trajectory; the weak start."""
+    trajectory, in the paper-ratio regime and from the weak start."""
     if not summary.get("per_recipe") and not summary.get("weak_start"):
         return "(recipes: no finished runs yet)"
     lines = ["baselines: " + "; ".join(summary.get("baseline", {}).values()), "",
@@ -136,23 +175,17 @@ def markdown(summary: dict) -> str:
         gen = row["generated_trajectories"]
         lines.append(f"| {name} | {row['greedy']['n']} | " + " | ".join(fa._md(row[k]) for k in (*TEST_KEYS,
                      "final_val")) + f" | {gen['mean']:.0f} |")
-    lines += ["", "| recipe minus (paired) | seeds | per step: greedy | avg@8 T=0.6 | avg@8 T=1.0 | val (final) | "
-              "per trajectory: val at equal generation | trajectories to threshold |", "|---" * 8 + "|"]
+    lines += ["", VERSUS_HEADER[0].format("recipe"), VERSUS_HEADER[1]]
     for name, row in summary.get("per_recipe", {}).items():
-        for other, d in row["versus"].items():
-            step, traj = d["per_step"], d["per_trajectory"]
-            t = traj["trajectories_to_threshold"]
-            t_txt = (f"{t['mean']:+.0f}" + (f" ± {t['ci95']:.0f}" if t.get("ci95") is not None else "")
-                     if t.get("mean") is not None else "n/a") + f" ({t['both_reached']})"
-            lines.append(f"| {name} - {other} | {len(step['seeds'])} | " + " | ".join(
-                fa._md(step[k], signed=True) for k in (*TEST_KEYS, "final_val"))
-                + f" | {fa._md(traj['val_at_equal_trajectories'], signed=True)} | {t_txt} |")
+        lines += _versus_lines(name, row["versus"])
     if summary.get("weak_start"):
-        lines += ["", "| weak start | seeds | final avg@8 T=0.6 | final - start (paired) | minus weak GRPO greedy "
-                  "(paired) | collapsed |", "|---|---|---|---|---|---|"]
+        lines += ["", "| weak start | seeds | greedy | avg@8 T=0.6 | avg@8 T=1.0 | final - start avg@8 T=0.6 "
+                  "(paired) | generated trajectories | collapsed |", "|---" * 8 + "|"]
         for name, row in summary["weak_start"].items():
-            vs = row["minus_weak_grpo"]["greedy"] if row.get("minus_weak_grpo") else None
-            lines.append(f"| {name} | {row['greedy']['n']} | {fa._md(row['avg@8_T0.6'])} | "
-                         f"{fa._md(row['final_minus_start']['avg@8_T0.6'], signed=True)} | {fa._md(vs, signed=True)} | "
-                         f"{row['collapsed']} |")
+            lines.append(f"| {name} | {row['greedy']['n']} | " + " | ".join(fa._md(row[k]) for k in TEST_KEYS)
+                         + f" | {fa._md(row['final_minus_start']['avg@8_T0.6'], signed=True)} | "
+                         f"{row['generated_trajectories']['mean']:.0f} | {row['collapsed']} |")
+        lines += ["", VERSUS_HEADER[0].format("weak-start recipe"), VERSUS_HEADER[1]]
+        for name, row in summary["weak_start"].items():
+            lines += _versus_lines(name, row["versus"])
     return "\n".join(lines)
