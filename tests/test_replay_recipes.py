@@ -4,6 +4,7 @@ resume, `append` placement, the generation accounting, the experience settings' 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -231,3 +232,14 @@ def test_su01_preset_is_the_authors_recipe_beside_the_papers():
     assert (su01.model, su01.trainer.train_batch_size, su01.optim) == (paper.model, paper.trainer.train_batch_size,
                                                                       paper.optim)
     assert config_errors(su01, world_size=8) == []
+
+
+def test_append_preset_is_the_papers_recipe_with_replay_on_top():
+    """conf/exgrpo_append.yaml changes only where replayed questions go and how many (docs/results.md's verdict)."""
+    append, paper = load_config("exgrpo_append"), load_config("exgrpo_7b")
+    assert (append.experience.placement, append.experience.ratio) == ("append", 0.25)
+    assert paper.experience.placement == "displace"
+    assert dataclasses.replace(append.experience, placement="displace", ratio=0.5) == paper.experience
+    assert (append.model, append.algo, append.trainer, append.optim) == (paper.model, paper.algo, paper.trainer,
+                                                                         paper.optim)
+    assert config_errors(append, world_size=8) == []
