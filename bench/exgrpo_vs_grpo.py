@@ -164,10 +164,12 @@ RECORD_FILES = ("config.yaml", "metrics.jsonl", "provenance.json", "start_eval.j
 
 
 def code_version() -> str:
-    """The commit the run's code is at, with '+dirty' when tracked files differ from it."""
+    """The commit the run's code is at, with '+dirty' when tracked files other than the bench's own outputs
+    (bench/results/, which the analysis at the end of a grid rewrites) differ from it."""
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                                                     ":!bench/results") else "")
 
 
 def note_provenance(run: Run) -> None:
