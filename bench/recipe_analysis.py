@@ -105,15 +105,19 @@ def analyse_recipes(root: str, recipes: dict, weak: dict, matched: dict, best: d
     return out
 
 
+MIN_PLOT_SEEDS = 3  # a 95% band over 2 seeds (t = 12.7) dwarfs every other curve; such arms stay in the tables
+
+
 def plot(curves: dict[str, dict[int, dict]], path: str) -> None:
     """Validation accuracy per step and per generated trajectory, and each arm minus on-policy GRPO paired by seed
-    per step; the weak-start arms in a row of their own (against weak GRPO)."""
+    per step; the weak-start arms in a row of their own (against weak GRPO). Arms with fewer than MIN_PLOT_SEEDS
+    seeds are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(name, {n: r for n, r in curves.items() if n.startswith("weak_") == weak})
+    rows = [(name, {n: r for n, r in curves.items() if n.startswith("weak_") == weak and len(r) >= MIN_PLOT_SEEDS})
             for name, weak in (("grpo", False), ("weak_grpo", True))]
     rows = [(ref, row) for ref, row in rows if row]
     fig, axes = plt.subplots(len(rows), 3, figsize=(17, 4.5 * len(rows)), squeeze=False)
@@ -139,7 +143,8 @@ def plot(curves: dict[str, dict[int, dict]], path: str) -> None:
             ax.set_ylabel("validation accuracy (T=0.6)")
         for ax in row_axes:
             ax.legend(fontsize="x-small")
-    fig.suptitle("Replay recipes vs on-policy GRPO: per step and per generated trajectory (mean, 95% CI over seeds)")
+    fig.suptitle("Replay recipes vs on-policy GRPO: per step and per generated trajectory (mean, 95% CI over seeds; "
+                 f"arms with >= {MIN_PLOT_SEEDS} seeds)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=80)
