@@ -168,8 +168,8 @@ def code_version() -> str:
     (bench/results/, which the analysis at the end of a grid rewrites) differ from it."""
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                                                                     ":!bench/results") else "")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
+    return git("rev-parse", "HEAD") + ("+dirty" if changed else "")
 
 
 def note_provenance(run: Run) -> None:
