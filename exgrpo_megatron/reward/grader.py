@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any
 
+from exgrpo_megatron.reward.grade_handle import GradeHandle, GradeResult
 from exgrpo_megatron.reward.grader_worker import (
     DONE,
     LAST_DONE,
@@ -58,41 +59,6 @@ _STARTUP_DEADLINE_SECONDS = 120.0  # a worker that never reports ready is killed
 _MAX_CONSECUTIVE_START_FAILURES = 5  # then the pool is declared broken (e.g. Math-Verify not importable)
 _MAX_RETRIES_AFTER_DEATH = 1  # an item whose worker died is retried once; a second death scores it 0
 _Job = tuple["GradeHandle", int, str, str, int]  # (handle, index in batch, answer, gold, worker deaths it saw)
-
-
-@dataclass
-class GradeResult:
-    """Per-response rewards (submission order) and what went wrong while grading them."""
-
-    rewards: list[float]
-    n_timeouts_killed: int  # items whose worker passed the hard deadline and was killed
-    n_worker_deaths: int  # worker deaths while holding this batch's items (each item is retried once)
-    seconds: float  # wall time from submit() to the last reward
-
-
-@dataclass(eq=False)
-class GradeHandle:
-    """Returned by :meth:`GraderPool.submit`; pass it to :meth:`GraderPool.result`."""
-
-    rewards: list[float]
-    remaining: int
-    submitted_at: float
-    n_timeouts_killed: int = 0
-    n_worker_deaths: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def _finish_item(self, index: int, reward: float) -> None:
-        self.rewards[index] = reward
-        self.remaining -= 1
-        if self.remaining == 0:
-            self.seconds = time.perf_counter() - self.submitted_at
-            self.done.set()
-
-    def _fail(self, message: str) -> None:
-        self.error = message
-        self.done.set()
 
 
 @dataclass(eq=False)
@@ -171,7 +137,7 @@ class GraderPool:
         for index, (response_text, gold, require_think) in enumerate(items):
             answer = extract_answer(response_text, require_think)
             if answer is None:
-                handle._finish_item(index, 0.0)
+                handle.finish_item(index, 0.0)
             else:
                 jobs.append((handle, index, answer, gold, 0))
         if not items:
@@ -284,7 +250,7 @@ class GraderPool:
             else:
                 handle.n_worker_deaths += 1
             if killed_on_deadline or deaths_seen >= _MAX_RETRIES_AFTER_DEATH:
-                handle._finish_item(index, 0.0)
+                handle.finish_item(index, 0.0)
             else:  # it may have died before even reading the item (e.g. killed from outside): retry once
                 worker.jobs.appendleft((handle, index, answer, gold, deaths_seen + 1))
             with self._lock:
@@ -328,7 +294,7 @@ class GraderPool:
         while worker.collected < count and worker.jobs:
             handle, index, answer, gold, _ = worker.jobs.popleft()
             worker.inflight_chars -= len(answer) + len(gold)
-            handle._finish_item(index, float(worker.record[SLOTS + worker.collected % RING]))
+            handle.finish_item(index, float(worker.record[SLOTS + worker.collected % RING]))
             worker.collected += 1
 
     def _progressed(self, worker: _Worker, now: float) -> bool:
@@ -408,4 +374,4 @@ class GraderPool:
         handles.update({id(job[0]): job[0] for w in self._workers for job in w.jobs})
         for handle in handles.values():
             if not handle.done.is_set():
-                handle._fail(message)
+                handle.fail(message)
