@@ -1,4 +1,4 @@
-"""The training loop with a non-empty experience pool (issue #5), on a tiny warm-started model.
+"""The training loop with a non-empty experience pool, on a tiny warm-started model.
 
 * DP=2: the pool is really sharded -- every rank's shard holds questions, the shards are disjoint and
   owned, and their sizes add up to the pool totals the run logged; the batch is split over the ranks.
@@ -14,7 +14,6 @@ module in a temporary directory) makes some answers correct.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import importlib.util
 import os
@@ -26,46 +25,18 @@ import torch
 
 from exgrpo_megatron.config.loader import load_config
 from tests.helpers.multirank import run_on_ranks
-from tests.test_trainer import REQUIRED_KEYS, _overrides
+from tests.helpers.replay_run import BATCH, STEPS, replay_overrides, run_metrics, train_warm_start
+from tests.test_trainer import REQUIRED_KEYS
 
 K = 4  # rollout.n in _overrides
-STEPS, BATCH = 5, 16
 BETA = 0.3  # not the default 0.1: the loss must use the configured beta
 REL, ABS = 1e-4, 1e-5
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
-def _replay_overrides(run_dir: str, sft_dir: str, extra: tuple[str, ...] = ()) -> list[str]:
-    return _overrides(run_dir, extra=(
-        "trainer.sft_warm_start_steps=150", "trainer.sft_warm_start_lr=5e-3", f"trainer.sft_cache_dir={sft_dir}",
-        "data.num_train_examples=512", "data.max_response_length=32", f"trainer.total_steps={STEPS}",
-        f"trainer.train_batch_size={BATCH}", f"trainer.ppo_mini_batch_size={BATCH // 2}", *extra))
-
-
-def _warm_start(overrides: list[str]) -> None:
-    from exgrpo_megatron.data.tokenizer import load_tokenizer
-    from exgrpo_megatron.distributed.runtime import init_distributed
-    from exgrpo_megatron.policy.warm_start import warm_start_weights
-
-    cfg = load_config("demo_cpu", overrides)
-    init_distributed(seed=cfg.seed)
-    warm_start_weights(cfg, load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path))
-
-
 @pytest.fixture(scope="module")
 def sft_dir(tmp_path_factory, sft_cache_dir) -> str:
-    """The warm-start weights, trained once (the cache key ignores the run dir, the layout and the
-    micro-batch budget: one micro-batch per supervised step here, the same gradient, less overhead)."""
-    unused = str(tmp_path_factory.mktemp("unused"))
-    extra = ("trainer.micro_batch_max_tokens=8192",)
-    run_on_ranks(_warm_start, 1, args=(_replay_overrides(unused, sft_cache_dir, extra),))
-    return sft_cache_dir
-
-
-def _metrics(run_dir: str) -> list[dict]:
-    from exgrpo_megatron.logging import read_metrics
-
-    return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    return train_warm_start(tmp_path_factory, sft_cache_dir)
 
 
 # ------------------------------------------------------------------------------------------- DP=2 sharding
@@ -89,7 +60,7 @@ def _train_dp_keeping_pool(overrides: list[str]) -> dict:
     pool = kept["c"].pool
     shard = pool.shard
     return {
-        "metrics": _metrics(cfg.logging.run_dir) if kept["c"].layout.rank == 0 else None,
+        "metrics": run_metrics(cfg.logging.run_dir) if kept["c"].layout.rank == 0 else None,
         "qids": shard.question_ids(), "owned": all(pool.owns(q) for q in shard.question_ids()),
         "questions": shard.num_questions, "trajectories": shard.num_trajectories, "tokens": shard.num_tokens,
         "buckets": shard.bucket_sizes.tolist(), "retired": sorted(shard.retired), "groups": groups_seen,
@@ -97,7 +68,7 @@ def _train_dp_keeping_pool(overrides: list[str]) -> dict:
 
 
 def test_dp2_shards_the_batch_and_agrees_on_the_totals(tmp_path, sft_dir):
-    got = run_on_ranks(_train_dp_keeping_pool, 2, args=(_replay_overrides(str(tmp_path / "dp2"), sft_dir),))
+    got = run_on_ranks(_train_dp_keeping_pool, 2, args=(replay_overrides(str(tmp_path / "dp2"), sft_dir),))
     logged = got[0]["metrics"]
     assert len(logged) == STEPS
     for m in logged:
@@ -122,7 +93,7 @@ def test_dp2_shards_the_batch_and_agrees_on_the_totals(tmp_path, sft_dir):
 def test_dp2_append_keeps_every_fresh_group_and_counts_the_generation(tmp_path, sft_dir):
     """experience.placement=append over DP=2: each step trains B fresh groups plus the replayed ones, split over the
     ranks with none twice, and logs what was generated: K per fresh group, K-1 per replayed one."""
-    got = run_on_ranks(_train_dp_keeping_pool, 2, args=(_replay_overrides(
+    got = run_on_ranks(_train_dp_keeping_pool, 2, args=(replay_overrides(
         str(tmp_path / "append"), sft_dir, ("experience.placement=append",)),))
     logged = got[0]["metrics"]
     assert sum(m["experience/n_replayed"] for m in logged) > 0
@@ -191,7 +162,7 @@ def _train_recording_replay(overrides: list[str]) -> dict:
                 "metrics": {k: float(v) for k, v in metrics.items()}})
 
     assert run_training(cfg, observers=[Record()]) == 0
-    return {"steps": steps, "metrics": _metrics(cfg.logging.run_dir)}
+    return {"steps": steps, "metrics": run_metrics(cfg.logging.run_dir)}
 
 
 def _check_spliced(rec: dict) -> int:
@@ -251,7 +222,7 @@ def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = 
 
 def test_mixed_phase_replays_stored_trajectories_through_policy_shaping(tmp_path, sft_dir):
     run_dir = str(tmp_path / "replay")
-    got = run_on_ranks(_train_recording_replay, 1, args=(_replay_overrides(
+    got = run_on_ranks(_train_recording_replay, 1, args=(replay_overrides(
         run_dir, sft_dir, (f"logging.tensorboard={str(HAS_TENSORBOARD).lower()}", f"algo.shaping_beta={BETA}")),))[0]
     logged = {m["step"]: m for m in got["metrics"]}
     assert sorted(logged) == sorted(got["steps"]) == list(range(1, STEPS + 1))
@@ -293,7 +264,7 @@ def test_truncated_is_replay_term_through_the_trainer(tmp_path, sft_dir):
     """algo.replay_tis_cap with append and an age bound, through the real (packed) path: each micro-batch's loss is
     the float64 reference with the truncated-IS replay term, and differs from the f(w) term on the same rows."""
     cap = 1.2
-    got = run_on_ranks(_train_recording_replay, 1, args=(_replay_overrides(str(tmp_path / "tis"), sft_dir, (
+    got = run_on_ranks(_train_recording_replay, 1, args=(replay_overrides(str(tmp_path / "tis"), sft_dir, (
         "logging.tensorboard=false", "algo.policy_shaping=false", f"algo.replay_tis_cap={cap}",
         "experience.placement=append", "experience.max_age_steps=2")),))[0]
     informative = 0
@@ -346,14 +317,14 @@ def _train_recording_loss_phase(overrides: list[str]) -> dict:
     cfg = load_config("demo_cpu", overrides)
     seen = LossPhases()
     assert run_training(cfg, observers=[seen]) == 0
-    return {"phases": seen.unclipped, "metrics": _metrics(cfg.logging.run_dir)}
+    return {"phases": seen.unclipped, "metrics": run_metrics(cfg.logging.run_dir)}
 
 
 def test_on_policy_grpo_keeps_the_warmup_clip(tmp_path, sft_dir):
     """algo.name=grpo is on-policy GRPO: no pool and no mixed phase, so every update keeps the PPO clip,
     even with the delayed-start criterion met from step 1 (delayed_start_pass_rate=0 in _overrides). Four updates per
     step, so the clip has three chances per step to meet a group with a non-zero advantage after the policy moved."""
-    got = run_on_ranks(_train_recording_loss_phase, 1, args=(_replay_overrides(
+    got = run_on_ranks(_train_recording_loss_phase, 1, args=(replay_overrides(
         str(tmp_path / "grpo"), sft_dir, ("algo.name=grpo", "trainer.total_steps=2", "optim.lr=1e-2",
                                           "optim.adam_eps=1e-8", "trainer.ppo_mini_batch_size=4")),))[0]
     assert got["phases"] and not any(got["phases"])
@@ -362,139 +333,3 @@ def test_on_policy_grpo_keeps_the_warmup_clip(tmp_path, sft_dir):
     assert all(r["experience/n_replayed"] == 0 for r in rows)
     assert 0 < max(r["reward/mean"] for r in rows) < 1  # some groups have non-zero advantages ...
     assert max(r["loss/clip_fraction"] for r in rows) > 0  # ... and the clip acts (mixed mode reports 0)
-
-
-# ------------------------------------------------------------------------------------------- pi_old from the rollout
-def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
-    """run_training with an observer that, each step, computes what the switched-off trainer uses -- pi_old
-    recomputed by a forward pass of every row, before any update -- and, before each update, that update's loss and
-    gradients both ways on the trainer's own micro-batches: with the recomputed pi_old (switched off) and with the
-    trainer's (switched on); it then clears the gradients for the trainer's own update, whose logged loss must be the
-    switched-on one. Also records the threads of the updates' passes and of generation."""
-    from exgrpo_megatron.distributed.threads import available_cores
-    from exgrpo_megatron.policy.objective import rl_loss_fn
-    from exgrpo_megatron.policy.old_logprobs import old_logprobs
-    from exgrpo_megatron.policy.train_batch import micro_batches_for_update
-    from exgrpo_megatron.step_observer import StepObserver
-    from exgrpo_megatron.trainer import run_training
-
-    cfg = load_config("demo_cpu", overrides)
-    rec: dict = {"steps": [], "updates": [], "threads_train": set(), "threads_generate": set(),
-                 "cores": available_cores()}
-
-    def grads(policy) -> list[torch.Tensor]:
-        return [p.main_grad.detach().clone() for ch in policy.chunks for p in ch.parameters() if p.requires_grad]
-
-    class Compare(StepObserver):
-        def started(self, c) -> None:
-            self.c = c
-            rec["resolved"] = c.old_logprobs
-
-        def generated(self, step, groups, samples) -> None:  # generation's threads are the process's own
-            rec["threads_generate"].add(torch.get_num_threads())
-
-        def batch_ready(self, step, batch) -> None:
-            c, s = self.c, self.c.settings
-            self.batch = batch
-            self.recomputed, _ = old_logprobs(c.policy, batch, [None] * len(batch.sequences), "recompute",
-                                              temperature=s.sampling.temperature, max_tokens=s.micro_batch_max_tokens)
-            out = batch.old_logprobs
-            if out is None:  # training_forward: the update's own forward is pi_old
-                rec["steps"].append({"source": c.old_logprobs, "replay_rows": sum(batch.is_replay)})
-                return
-
-            def diff(rows):
-                return max((float((out[i] - self.recomputed[i]).abs().max()) for i in rows), default=0.0)
-            replay = [i for i, r in enumerate(batch.is_replay) if r]
-            fresh = [i for i, r in enumerate(batch.is_replay) if not r]
-            rec["steps"].append({
-                "source": c.old_logprobs, "replay_rows": len(replay), "replay_old_vs_recompute": diff(replay),
-                "fresh_old_vs_recompute": diff(fresh),
-                "replay_old_vs_behaviour": max(
-                    (float((out[i] - batch.behaviour_logprobs[i]).abs().max()) for i in replay), default=0.0)})
-
-        def update_started(self, step, update, micro_batches, phase, normalisers) -> None:
-            c, s = self.c, self.c.settings
-            rows = [r for mb in micro_batches for r in mb.rows]
-            off = micro_batches_for_update(dataclasses.replace(self.batch, old_logprobs=self.recomputed), sorted(rows),
-                                           s.micro_batch_max_tokens, packed=s.sequence_packing)
-            loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=normalisers,
-                                 temperature=s.sampling.temperature, vocab_size=s.vocab_size)
-            c.policy.zero_grad()
-            m_off = c.policy.forward_backward(off, loss_fn)
-            g_off = grads(c.policy)
-            c.policy.zero_grad()
-            m_on = c.policy.forward_backward(micro_batches, loss_fn)
-            g_on = grads(c.policy)
-            c.policy.zero_grad()
-            rec["updates"].append({
-                "replay_rows": sum(self.batch.is_replay[i] for i in rows),
-                "pg_on": sum(float(m["pg_loss"]) for m in m_on), "pg_off": sum(float(m["pg_loss"]) for m in m_off),
-                "grad_scale": max(float(g.abs().max()) for g in g_off),
-                "grad_diff": max(float((a - b).abs().max()) for a, b in zip(g_on, g_off, strict=True)),
-            })
-
-        def loss_computed(self, step, update, output, micro_batch, loss, metrics) -> None:
-            rec["threads_train"].add(torch.get_num_threads())
-
-        def updated(self, step, update, metrics) -> None:  # the trainer's own update: the switched-on loss
-            rec["updates"][-1]["pg_trainer"] = sum(m["pg_loss"] for m in metrics.loss_metrics)
-
-    assert run_training(cfg, observers=[Compare()]) == 0
-    rec["threads_after"] = torch.get_num_threads()
-    rec["metrics"] = _metrics(cfg.logging.run_dir)
-    return rec
-
-
-def test_old_logprobs_from_the_rollout_give_the_recompute_loss_and_gradients(tmp_path, sft_dir):
-    """algo.old_logprobs=auto on the megatron engine takes pi_old from the rollout (fresh rows) and from the selection
-    pass (replayed rows): at a temperature that is not the selection's 1, every update (replay rows included) has the
-    loss and gradients of the recompute, replayed rows' pi_old equal a fresh forward pass and not the stale behaviour
-    log-probs, most replayed rows need no forward pass, the mismatch metric is measured (first update) and ~1, and
-    the policy's passes ran on trainer.train_threads (auto: this machine's cores), generation on the one thread."""
-    got = run_on_ranks(_train_comparing_old_logprobs, 1, args=(_replay_overrides(
-        str(tmp_path / "oldlp"), sft_dir, ("rollout.temperature=0.8", "algo.old_logprobs=auto")),))[0]
-    assert got["resolved"] == "rollout"
-    assert len(got["steps"]) == STEPS and all(s["source"] == "rollout" for s in got["steps"])
-    for s in got["steps"]:
-        assert s["fresh_old_vs_recompute"] < 2e-5, s  # the engine's log-probs are pi_old
-        assert s["replay_old_vs_recompute"] < 2e-5, s  # the selection pass's too, at the loss temperature
-    replay_steps = [s for s in got["steps"] if s["replay_rows"] > 0]
-    assert len(replay_steps) >= 2, got["steps"]
-    assert max(s["replay_old_vs_behaviour"] for s in replay_steps) > 1e-3  # stale pi_behaviour would not do
-    assert sum(u["replay_rows"] for u in got["updates"]) > 0
-    for u in got["updates"]:
-        assert u["pg_on"] == pytest.approx(u["pg_off"], rel=1e-4, abs=1e-7), u
-        assert u["pg_trainer"] == pytest.approx(u["pg_on"], rel=1e-6, abs=1e-9), u
-        assert u["grad_diff"] <= 1e-4 * u["grad_scale"] + 1e-9, u
-    logged = got["metrics"]
-    replayed = sum(m["experience/n_replayed"] for m in logged)
-    forward_rows = sum(m["old_logprobs/forward_rows"] for m in logged)
-    assert replayed > 0 and forward_rows < replayed, (replayed, forward_rows)  # scored replays were reused
-    for m in logged:
-        assert m["mismatch/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-4)
-        assert m["mismatch/token_mult_prob_error"] >= 1.0  # measured: 0 would mean no token was counted
-    assert got["threads_train"] == {got["cores"]}
-    assert got["threads_generate"] == {1} and got["threads_after"] == 1
-
-
-def test_old_logprobs_from_the_training_forward_give_the_recompute_loss_and_gradients(tmp_path, sft_dir):
-    """algo.old_logprobs=training_forward (one update per step): no pi_old pass at all, and the one update -- replayed
-    rows included -- has the loss and gradients of the recomputed pi_old; its fresh-token ratio is exactly 1
-    (approx_kl 0: not the engine's log-probs, not a stale copy), and the engine-vs-trainer mismatch is still measured
-    on the update's forward."""
-    got = run_on_ranks(_train_comparing_old_logprobs, 1, args=(_replay_overrides(
-        str(tmp_path / "oldlp"), sft_dir, ("rollout.temperature=0.8", f"trainer.ppo_mini_batch_size={BATCH}",
-                                            "algo.old_logprobs=training_forward")),))[0]
-    assert got["resolved"] == "training_forward"
-    assert len(got["steps"]) == STEPS and all(s["source"] == "training_forward" for s in got["steps"])
-    assert len(got["updates"]) == STEPS and sum(u["replay_rows"] for u in got["updates"]) > 0
-    for u in got["updates"]:
-        assert u["pg_on"] == pytest.approx(u["pg_off"], rel=1e-4, abs=1e-7), u
-        assert u["pg_trainer"] == pytest.approx(u["pg_on"], rel=1e-6, abs=1e-9), u
-        assert u["grad_diff"] <= 1e-4 * u["grad_scale"] + 1e-9, u
-    for m in got["metrics"]:
-        assert m["old_logprobs/forward_rows"] == 0.0
-        assert m["loss/approx_kl"] == 0.0 and m["loss/clip_fraction"] == 0.0
-        assert 1.0 <= m["mismatch/token_mult_prob_error"] <= 1.0 + 1e-4
-
