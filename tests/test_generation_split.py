@@ -1,5 +1,5 @@
 """The generation-ahead GPU plan (planning/generation_split.py), its dry-run section, and the Slurm launch with
---max-staleness (faked Slurm, the helpers of test_slurm_and_presets)."""
+--max-staleness (faked Slurm, the helpers of test_slurm)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from exgrpo_megatron.planning.generation_split import (
     trainer_layout_ok,
 )
 from exgrpo_megatron.train import main as train_main
-from tests.test_slurm_and_presets import _preset_inputs, _run_script
+from tests.helpers.preset_inputs import preset_inputs
+from tests.test_slurm import _run_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,7 +96,7 @@ STALE_7B = ["rollout.max_staleness=1", "algo.fresh_is_cap=2.0", "trainer.train_b
 
 
 def test_dry_run_prints_the_plan_from_a_run(tmp_path: Path, capsys, monkeypatch) -> None:
-    env, data = _preset_inputs(tmp_path)
+    env, data = preset_inputs(tmp_path)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     run = tmp_path / "colocated"
@@ -127,7 +128,7 @@ def _sruns(calls: list[list[str]]) -> list[list[str]]:
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_7b_script_one_step_off_leaves_the_generator_a_gpu(tmp_path: Path, how: str) -> None:
-    env, data = _preset_inputs(tmp_path)
+    env, data = preset_inputs(tmp_path)
     batch = STALE_7B[2:]
     args = ["--max-staleness", "1", *data, *batch] if how == "flag" else [*data, *batch]
     extra = {**env, **({"MAX_STALENESS": "1"} if how == "env" else {})}
@@ -144,7 +145,7 @@ def test_7b_script_one_step_off_leaves_the_generator_a_gpu(tmp_path: Path, how: 
 
 
 def test_script_user_cap_wins_and_bad_staleness_stops(tmp_path: Path) -> None:
-    env, data = _preset_inputs(tmp_path)
+    env, data = preset_inputs(tmp_path)
     args = ["--max-staleness=2", *data, *STALE_7B[2:], "algo.fresh_is_cap=3.0"]
     result, calls = _run_script(tmp_path, "exgrpo_7b.sh", args, nnodes=2, extra_env=env)
     assert result.returncode == 0, result.stderr
@@ -159,7 +160,7 @@ def test_script_user_cap_wins_and_bad_staleness_stops(tmp_path: Path) -> None:
 
 def test_7b_script_one_node_one_step_off_is_refused_by_the_dry_run(tmp_path: Path) -> None:
     """7 training ranks cannot hold TP=2: the dry run stops the job before training."""
-    env, data = _preset_inputs(tmp_path)
+    env, data = preset_inputs(tmp_path)
     result, calls = _run_script(tmp_path, "exgrpo_7b.sh", ["--max-staleness", "1", *data], nnodes=1, extra_env=env)
     assert result.returncode == 2 and "world size 7" in result.stderr
     assert len(_sruns(calls)) == 1
