@@ -77,6 +77,8 @@ def analyse_recipes(root: str, recipes: dict, weak: dict, matched: dict, best: d
         same = _runs(root, f"{arm}_same_code", rate, seeds)
         base[arm] = same or _runs(root, arm, rate, seeds)
         out["baseline"][arm] = f"{arm}_same_code" if same else f"{arm} (recorded at an earlier code version)"
+    out["baseline_versus"] = {arm: versus(base[arm], {other: base[other]}, threshold) for arm, other in
+                              (("exgrpo", "grpo"), ("weak_exgrpo", "weak_grpo")) if base[arm]}
     curves: dict[str, dict[int, dict]] = {arm: runs for arm, runs in base.items() if runs}
     for name in (n for n in recipes if not n.endswith("_same_code")):
         runs = _runs(root, name, lr["grpo" if name.startswith("grpo") else "exgrpo"], seeds)
@@ -183,6 +185,10 @@ def markdown(summary: dict) -> str:
     lines += ["", VERSUS_HEADER[0].format("recipe"), VERSUS_HEADER[1]]
     for name, row in summary.get("per_recipe", {}).items():
         lines += _versus_lines(name, row["versus"])
+    if any(summary.get("baseline_versus", {}).values()):
+        lines += ["", VERSUS_HEADER[0].format("baseline, the paper's recipe"), VERSUS_HEADER[1]]
+        for name, d in summary["baseline_versus"].items():
+            lines += _versus_lines(name, d)
     if summary.get("weak_start"):
         lines += ["", "| weak start | seeds | greedy | avg@8 T=0.6 | avg@8 T=1.0 | final - start avg@8 T=0.6 "
                   "(paired) | generated trajectories | collapsed |", "|---" * 8 + "|"]
