@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+from tests.helpers.preset_inputs import preset_inputs
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +21,13 @@ def sft_cache_dir(tmp_path_factory) -> str:
     path = root / "sft_cache"
     path.mkdir(exist_ok=True)
     return str(path)
+
+
+@pytest.fixture
+def preset_paths(tmp_path: Path, monkeypatch) -> list[str]:
+    """tests/helpers/preset_inputs.py for in-process runs of a GPU preset: the env is set, the data overrides are
+    returned."""
+    env, overrides = preset_inputs(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return overrides

@@ -95,10 +95,8 @@ STALE_7B = ["rollout.max_staleness=1", "algo.fresh_is_cap=2.0", "trainer.train_b
             "trainer.ppo_mini_batch_size=56"]
 
 
-def test_dry_run_prints_the_plan_from_a_run(tmp_path: Path, capsys, monkeypatch) -> None:
-    env, data = preset_inputs(tmp_path)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+def test_dry_run_prints_the_plan_from_a_run(tmp_path: Path, capsys, preset_paths) -> None:
+    data = preset_paths
     run = tmp_path / "colocated"
     _write_metrics(run, [{"step": s, "time/generate": 30.0, "time/train": 10.0} for s in (1, 2, 3)])
     head = ["--config-name", "exgrpo_7b", "--dry-run", "--world-size", "14", "--phase-times"]

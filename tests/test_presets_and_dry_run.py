@@ -15,21 +15,10 @@ from exgrpo_megatron.config.validate import validate
 from exgrpo_megatron.planning.dry_run import dry_run_report, estimate_memory
 from exgrpo_megatron.planning.model_size import count_parameters
 from exgrpo_megatron.train import main as train_main
-from tests.helpers.preset_inputs import preset_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (REPO / "conf").glob("*.yaml"))
 GIB = 1024**3
-
-
-@pytest.fixture
-def preset_paths(tmp_path: Path, monkeypatch) -> list[str]:
-    """preset_inputs for in-process runs: the env is set, the data overrides are returned."""
-    env, overrides = preset_inputs(tmp_path)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return overrides
-
 
 
 @pytest.mark.parametrize("preset", PRESETS)
