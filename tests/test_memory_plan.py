@@ -1,8 +1,8 @@
-"""The dry run's memory plan counts what megatron-core allocates: real tiny models (Qwen3-MoE, Qwen3 and Qwen2 dense)
-built by the policy on gloo ranks at several layouts take one real update (unequal data per rank), and on every rank
-the planner's parameters, DDP gradient-buffer elements, fp32 master elements and Adam exp_avg + exp_avg_sq elements
-(dense and expert apart) equal the model's parameters, the DDP buffers, the optimizer's master parameters and its
-Adam state."""
+"""The dry run's memory plan counts what megatron-core allocates: real tiny models (Qwen3-MoE, Qwen3 and Qwen2 dense;
+fp32 and bf16) built by the policy on gloo ranks at several layouts take one real update (unequal data per rank), and
+on every rank the planner's parameters, DDP gradient-buffer elements, fp32 master elements and Adam exp_avg +
+exp_avg_sq elements (dense and expert apart) equal the model's parameters, the DDP buffers, the optimizer's master
+parameters and its Adam state."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import validate
+from exgrpo_megatron.planning.model_size import param_bytes
 from exgrpo_megatron.planning.sharding import every_rank_state
 from tests.helpers.multirank import run_on_ranks
 
@@ -79,13 +80,15 @@ def allocated_after_one_update(overrides: list[str]) -> dict:
     master, adam = [], 0
     for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
         held = [q for group in opt.optimizer.param_groups for q in group["params"]]  # the tensors Adam updates
+        assert {q.dtype for q in held} == {torch.float32}  # fp32 masters (copies of bf16 parameters)
         master.append(sum(q.numel() for q in held))
         for q in held:
             state = opt.optimizer.state[q]
             assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
             adam += state["exp_avg"].numel() + state["exp_avg_sq"].numel()
+    param_dtypes = {q.dtype for module in policy.modules for q in module.parameters()}
     return {"params": params, "buffers": buffers, "master": master, "adam": adam, "grad_dtypes": grad_dtypes,
-            "rank": layout.rank}
+            "param_dtypes": param_dtypes, "rank": layout.rank}
 
 
 LAYOUTS = [  # (ranks, overrides): experts over EP, DP, ETP, TP, PP, with and without the distributed optimizer
@@ -99,6 +102,9 @@ LAYOUTS = [  # (ranks, overrides): experts over EP, DP, ETP, TP, PP, with and wi
     (2, ["model=tiny_qwen2", "model.tie_word_embeddings=true", "parallel.pipeline_model_parallel_size=2",
          "parallel.use_distributed_optimizer=true"]),
     (2, ["model=tiny_qwen2", "parallel.tensor_model_parallel_size=2"]),
+    (2, ["model=tiny_qwen3_moe", "model.params_dtype=bf16", "parallel.expert_model_parallel_size=2",
+         "parallel.use_distributed_optimizer=true"]),
+    (2, ["model=tiny_qwen3", "model.params_dtype=bf16"]),
     (2, ["model=tiny_qwen2", "model.tie_word_embeddings=true", "model.num_layers=4",
          "parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2",
          "parallel.use_distributed_optimizer=true"]),
@@ -120,6 +126,7 @@ def test_planner_counts_equal_megatron_allocation(ranks: int, overrides: list[st
     for plan, real in zip(planned, got, strict=True):
         where = f"rank {real['rank']} of {ranks} ({' '.join(overrides)})"
         assert real["grad_dtypes"] == {torch.float32}, where  # the planner's 4 B per gradient element
+        assert {q.itemsize for q in real["param_dtypes"]} == {param_bytes(cfg.model)}, where
         assert real["params"] == {"dense": plan.dense.params, "expert": plan.expert.params}, where
         assert real["buffers"] == {"dense": plan.dense.buffer, "expert": plan.expert.buffer}, where
         assert real["master"] == [g.master for g in (plan.dense, plan.expert) if g.params], where
