@@ -188,8 +188,8 @@ def _expert_layout_lines(cfg: RootConfig, world_size: int) -> list[str]:
     m, p = cfg.model, cfg.parallel
     if not m.num_experts:
         return []
-    ep, etp, pp = p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.pipeline_model_parallel_size
-    return [f"  experts: EP={ep}  ETP={etp}  expert-DP={world_size // (ep * etp * pp)}: each GPU holds "
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    return [f"  experts: EP={ep}  ETP={etp}  expert-DP={expert_data_parallel_size(p, world_size)}: each GPU holds "
             f"{m.num_experts // ep} of the {m.num_experts} experts of each of its layers (1/{etp} of each), "
             f"{m.moe_router_topk} routed per token over the {m.moe_token_dispatcher} dispatcher; routing replay "
             + ("on: the updates route each token to the experts the rollout chose" if m.moe_routing_replay else
@@ -199,15 +199,16 @@ def _expert_layout_lines(cfg: RootConfig, world_size: int) -> list[str]:
 def _model_lines(cfg: RootConfig, state: RankState) -> list[str]:
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     counts = count_parameters(m, tp)
-    experts = f" + {m.num_experts} experts x {counts.per_layer_experts // m.num_experts:,}" if m.num_experts else ""
+    experts = (f" and {m.num_experts} experts of {counts.per_layer_experts // m.num_experts:,} per layer"
+               if m.num_experts else "")
     family = family_of(m.family)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     return [
         f"model {m.name} ({m.family}): {counts.total:,} parameters ({counts.total:.4g})",
         f"  {m.num_layers} layers x {counts.per_layer_sharded + counts.per_layer_replicated:,} "
         f"(QKV{'+bias' if family.qkv_bias else ''} with {m.num_query_groups} KV groups"
-        f"{', QK-norm' if family.qk_norm else ''}, o_proj, {'router' if m.num_experts else 'SwiGLU fc1/fc2'}, 2 norms"
-        f"{experts})"
+        f"{', QK-norm' if family.qk_norm else ''}, o_proj, {'router' if m.num_experts else 'SwiGLU fc1/fc2'}, 2 norms)"
+        f"{experts}"
         f" + embedding {counts.embedding:,} (padded vocab {vocab:,})"
         f" + output {'tied' if m.tie_word_embeddings else f'{counts.output_layer:,}'} + final norm",
         f"  per GPU (most loaded rank {state.rank}, PP stage {state.pp_rank}): {state.total.params:,} parameters"
