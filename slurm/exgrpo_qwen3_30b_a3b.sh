@@ -1,12 +1,13 @@
 #!/bin/bash
-# ExGRPO on Qwen3-30B-A3B-Base (mixture of experts, EP=8), 8x H100 80GB per node (conf/exgrpo_qwen3_30b_a3b.yaml);
-# 16 or 32 GPUs: sbatch --nodes=2 (or 4) slurm/exgrpo_qwen3_30b_a3b.sh. Usage, the one-step-off mode, requeue and
-# resume are exgrpo_7b.sh's (slurm/exgrpo.sh holds the logic); only this header differs:
+# ExGRPO on Qwen3-30B-A3B-Base (mixture of experts, EP=8) on 2 nodes of 8x H100 80GB (conf/exgrpo_qwen3_30b_a3b.yaml);
+# 32 GPUs: sbatch --nodes=4 slurm/exgrpo_qwen3_30b_a3b.sh. One node does not fit (the experts' optimizer state is
+# sharded over world / EP ranks: docs/moe.md). Usage, the one-step-off mode, requeue and resume are exgrpo_7b.sh's
+# (slurm/exgrpo.sh holds the logic); only this header differs:
 #
 #   sbatch slurm/exgrpo_qwen3_30b_a3b.sh [hydra overrides]     # from the repository root
 #
 #SBATCH --job-name=exgrpo_qwen3_30b_a3b
-#SBATCH --nodes=1
+#SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=12

@@ -8,10 +8,12 @@ distributed-optimizer table, docs/source/api-guide/dist_optimizer.md; activation
 et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", adapted to SwiGLU + GQA
 with flash attention and no dropout):
 
-* weights: `P_rank x bytes(params_dtype)`, `params_dtype=auto` counts as bf16 (the GPU target);
-* gradients: `P_rank x 4` (fp32 main-grad buffer, Megatron's default for bf16 training);
-* optimizer: `P_rank x (4 fp32 master copy, bf16 only + 8 Adam m, v)`, divided by DP x CP with
-  the distributed optimizer;
+* weights, gradients, optimizer state: what megatron-core allocates on each rank (planning/sharding.py: dense
+  parameters over TP and the DP x CP ranks, experts over EP x ETP and the expert-data-parallel ranks, per PP stage);
+  the most loaded rank is reported. Weights: parameter elements x bytes(params_dtype), `params_dtype=auto` counts
+  as bf16 (the GPU target), the padded parameter buffer with the distributed optimizer; gradients: the DDP
+  buffers x 4 B (fp32 main grads); optimizer: the rank's fp32 master elements x (4 B fp32 master copy, bf16 only,
+  + 8 B Adam m, v);
 * activations of one micro-batch of `T = micro_batch_max_tokens / CP` tokens per rank, with `PP`
   micro-batches in flight on the first stage (1F1B): without recompute
   `T x L/PP x (4h/(TP if SP) + (2q + 2kv + 3f)/TP) x 2 B`, with QK-norm `(3q + 3kv + 3f)/TP` (the norms also
@@ -27,7 +29,8 @@ With vLLM the plan assumes its sleep mode frees the share while the policy train
 the report also shows the training peak without sleep (training peak + the share), which is what a
 platform without sleep mode needs.
 
-A warning line is printed when a phase's estimate exceeds the 80 GiB of an H100 80GB.
+When a phase's estimate exceeds the 80 GiB of an H100 80GB the report ends with a WARNING line naming the
+estimate, its size and by how much it is over, with its parts; otherwise with "every estimate fits".
 
 Generating ahead (planning/generation_split.py): with rollout.max_staleness > 0 `world_size` counts the training
 ranks and the plan is for N = world_size + 1 GPUs (the generator's GPU added); otherwise one hint line for
@@ -41,9 +44,15 @@ from dataclasses import dataclass
 
 from exgrpo_megatron.config.derived import head_dim, padded_vocab_size
 from exgrpo_megatron.config.families import family_of
-from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.config.schema import ModelConfig, RootConfig
 from exgrpo_megatron.planning.generation_split import DEFAULT_PHASE_TIMES, PhaseTimes, split_lines
-from exgrpo_megatron.planning.model_size import count_parameters, kv_bytes_per_token, param_bytes, params_per_rank
+from exgrpo_megatron.planning.model_size import count_parameters, kv_bytes_per_token, param_bytes
+from exgrpo_megatron.planning.sharding import (
+    RankState,
+    dense_data_parallel_size,
+    every_rank_state,
+    expert_data_parallel_size,
+)
 
 GIB = 1024**3
 GPU_MEMORY_GIB = 80.0  # one H100 80GB (the paper's hardware)
@@ -65,6 +74,7 @@ class MemoryEstimate:
     activations_full_recompute: int
     generation: int  # KV cache (megatron engine) or the vLLM share (weights + KV)
     vllm_kv_tokens: int  # vLLM: KV-cache capacity in tokens per rank (0 for the megatron engine)
+    state: RankState  # the most loaded rank's elements (dense and expert)
     runtime_slack: int = int(RUNTIME_SLACK_GIB * GIB)  # CUDA context + NCCL + allocator, per rank
     vllm_share: int = 0  # the vLLM share (0 for the megatron engine)
 
@@ -110,15 +120,29 @@ def activation_bytes(cfg: RootConfig, recompute: bool) -> int:
     return int(stored + logits)
 
 
+def optimizer_bytes_per_element(m: ModelConfig) -> int:
+    """fp32 master copy (bf16 parameters only; fp32 parameters are their own master) + Adam m, v."""
+    return (4 if param_bytes(m) == 2 else 0) + ADAM_STATE_BYTES
+
+
+def state_bytes(cfg: RootConfig, state: RankState) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes of one rank's elements."""
+    total = state.total
+    weights = (total.buffer if cfg.parallel.use_distributed_optimizer else total.params) * param_bytes(cfg.model)
+    return weights, total.buffer * GRAD_BYTES, total.master * optimizer_bytes_per_element(cfg.model)
+
+
+def most_loaded_rank(cfg: RootConfig, world_size: int) -> RankState:
+    """The rank whose weights + gradients + optimizer state are largest (the first of equals)."""
+    return max(every_rank_state(cfg.model, cfg.parallel, world_size), key=lambda st: sum(state_bytes(cfg, st)))
+
+
 def estimate_memory(cfg: RootConfig, world_size: int) -> MemoryEstimate:
     m, p, r, d = cfg.model, cfg.parallel, cfg.rollout, cfg.data
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    dp = world_size // (tp * pp * cp)
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     counts = count_parameters(m, tp)
-    n_rank = params_per_rank(counts, tp, pp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
-    pbytes = param_bytes(m)
-    optim_bytes = (4 if pbytes == 2 else 0) + ADAM_STATE_BYTES
-    optimizer = n_rank * optim_bytes // (dp * cp if p.use_distributed_optimizer else 1)
+    state = most_loaded_rank(cfg, world_size)
+    weights, grads, optimizer = state_bytes(cfg, state)
     with_rc, without_rc = activation_bytes(cfg, True), activation_bytes(cfg, False)
     seq_len = d.max_prompt_length + d.max_response_length
     if r.engine == "vllm":
@@ -130,14 +154,15 @@ def estimate_memory(cfg: RootConfig, world_size: int) -> MemoryEstimate:
         kv_tokens = 0
         generation = r.max_batch_sequences * seq_len * kv_bytes_per_token(m, tp, pp)
     return MemoryEstimate(
-        weights=n_rank * pbytes,
-        grads=n_rank * GRAD_BYTES,
+        weights=weights,
+        grads=grads,
         optimizer=optimizer,
         activations=with_rc if m.recompute_activations else without_rc,
         activations_no_recompute=without_rc,
         activations_full_recompute=with_rc,
         generation=generation,
         vllm_kv_tokens=kv_tokens,
+        state=state,
         vllm_share=generation if r.engine == "vllm" else 0,
     )
 
@@ -163,51 +188,59 @@ def _expert_layout_lines(cfg: RootConfig, world_size: int) -> list[str]:
     m, p = cfg.model, cfg.parallel
     if not m.num_experts:
         return []
-    ep, etp, pp = p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.pipeline_model_parallel_size
-    return [f"  experts: EP={ep}  ETP={etp}  expert-DP={world_size // (ep * etp * pp)}: each GPU holds "
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    return [f"  experts: EP={ep}  ETP={etp}  expert-DP={expert_data_parallel_size(p, world_size)}: each GPU holds "
             f"{m.num_experts // ep} of the {m.num_experts} experts of each of its layers (1/{etp} of each), "
             f"{m.moe_router_topk} routed per token over the {m.moe_token_dispatcher} dispatcher; routing replay "
             + ("on: the updates route each token to the experts the rollout chose" if m.moe_routing_replay else
                "off (model.moe_routing_replay)")]
 
 
-def _model_lines(cfg: RootConfig) -> list[str]:
-    m, tp, pp = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+def _model_lines(cfg: RootConfig, state: RankState) -> list[str]:
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     counts = count_parameters(m, tp)
-    per_gpu = params_per_rank(counts, tp, pp, cfg.parallel.expert_model_parallel_size,
-                              cfg.parallel.expert_tensor_parallel_size)
+    experts = (f" and {m.num_experts} experts of {counts.per_layer_experts // m.num_experts:,} per layer"
+               if m.num_experts else "")
     family = family_of(m.family)
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     return [
         f"model {m.name} ({m.family}): {counts.total:,} parameters ({counts.total:.4g})",
         f"  {m.num_layers} layers x {counts.per_layer_sharded + counts.per_layer_replicated:,} "
         f"(QKV{'+bias' if family.qkv_bias else ''} with {m.num_query_groups} KV groups"
-        f"{', QK-norm' if family.qk_norm else ''}, o_proj, SwiGLU fc1/fc2, 2 norms)"
+        f"{', QK-norm' if family.qk_norm else ''}, o_proj, {'router' if m.num_experts else 'SwiGLU fc1/fc2'}, 2 norms)"
+        f"{experts}"
         f" + embedding {counts.embedding:,} (padded vocab {vocab:,})"
         f" + output {'tied' if m.tie_word_embeddings else f'{counts.output_layer:,}'} + final norm",
-        f"  per GPU (most loaded rank): {per_gpu:,} parameters",
+        f"  per GPU (most loaded rank {state.rank}, PP stage {state.pp_rank}): {state.total.params:,} parameters"
+        + (f" ({state.dense.params:,} dense + {state.expert.params:,} expert-parallel)" if state.expert.params else ""),
     ]
 
 
 def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str]]:
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
     est = estimate_memory(cfg, world_size)
-    dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
     dtype = "fp32" if param_bytes(m) == 4 else "bf16"
-    shard = f"/ (DP x CP = {dp * p.context_parallel_size})" if p.use_distributed_optimizer else "(not sharded)"
     rc = "full recompute" if m.recompute_activations else "no recompute"
-    optim_per_param = (4 if dtype == "bf16" else 0) + ADAM_STATE_BYTES
     kv_per_token = kv_bytes_per_token(m, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    st, distributed = est.state, p.use_distributed_optimizer
+    dense_shard = f"/ DP x CP = {dense_data_parallel_size(p, world_size)}" if distributed else "not sharded"
+    expert_shard = (f" + expert {st.expert.master:,} ({'/ expert-DP = ' if distributed else 'not sharded'}"
+                    f"{expert_data_parallel_size(p, world_size) if distributed else ''})") if st.expert.params else ""
+    expert_buffer = f" + expert {st.expert.buffer:,}" if st.expert.params else ""
     lines = [
-        f"per-GPU memory estimate (GPU target, {GPU_MEMORY_GIB:.0f} GiB; params_dtype={m.params_dtype} -> {dtype}):",
-        f"  weights          {_gib(est.weights)}   params/rank x {param_bytes(m)} B",
-        f"  gradients        {_gib(est.grads)}   params/rank x {GRAD_BYTES} B (fp32 main grads)",
-        f"  optimizer state  {_gib(est.optimizer)}   params/rank x {optim_per_param} B "
-        f"(fp32 master + Adam m, v) {shard}",
+        f"per-GPU memory estimate (GPU target, {GPU_MEMORY_GIB:.0f} GiB; params_dtype={m.params_dtype} -> {dtype}; "
+        f"most loaded rank {st.rank}, PP stage {st.pp_rank}; planning/sharding.py):",
+        f"  weights          {_gib(est.weights)}   "
+        f"{'parameter buffers' if distributed else 'parameters'} x {param_bytes(m)} B",
+        f"  gradients        {_gib(est.grads)}   DDP buffers: dense {st.dense.buffer:,}{expert_buffer} elements x "
+        f"{GRAD_BYTES} B (fp32 main grads)",
+        f"  optimizer state  {_gib(est.optimizer)}   fp32 master + Adam m, v of dense {st.dense.master:,} "
+        f"({dense_shard}){expert_shard} elements x {optimizer_bytes_per_element(m)} B",
         f"  activations      {_gib(est.activations)}   {rc}; micro-batch of {cfg.trainer.micro_batch_max_tokens} tokens"
         f" (without recompute {_gib(est.activations_no_recompute).strip()}, with full recompute "
         f"{_gib(est.activations_full_recompute).strip()}; includes logits + grad)",
     ]
+    dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
     if r.engine == "vllm":
         seqs = cfg.trainer.train_batch_size * r.n // dp
         demand = seqs * (cfg.data.max_prompt_length + cfg.data.max_response_length)
@@ -232,10 +265,18 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
         lines.append(f"  assumes vLLM sleeps while training (rollout.vllm.sleep_level={r.vllm.sleep_level} frees its "
                      f"share); without sleep the training peak is {est.train_peak_without_sleep / GIB:.1f} GiB"
                      f"{over}{GPU_MEMORY_GIB:.0f} GiB (training peak + vLLM share)")
+    parts = {"training": [("weights", est.weights), ("gradients", est.grads), ("optimizer state", est.optimizer),
+                          ("activations", est.activations), ("runtime slack", est.runtime_slack)],
+             "generation": [("weights", est.weights), ("gradients", est.grads), ("optimizer state", est.optimizer),
+                            ("vLLM share" if r.engine == "vllm" else "KV cache", est.generation),
+                            ("runtime slack", est.runtime_slack)]}
     warnings = []
     for phase, value in (("training", est.train_peak), ("generation", est.generation_peak)):
         if value > GPU_MEMORY_GIB * GIB:
-            warnings.append(f"WARNING: {phase} estimate {value / GIB:.1f} GiB exceeds {GPU_MEMORY_GIB:.0f} GiB per GPU")
+            listed = ", ".join(f"{name} {size / GIB:.1f}" for name, size in parts[phase])
+            warnings.append(f"WARNING: does not fit: the {phase} estimate {value / GIB:.1f} GiB exceeds "
+                            f"{GPU_MEMORY_GIB:.0f} GiB per GPU by {(value - GPU_MEMORY_GIB * GIB) / GIB:.1f} GiB "
+                            f"({listed} GiB)")
     return lines, warnings
 
 
@@ -303,7 +344,7 @@ def dry_run_report(cfg: RootConfig, world_size: int, replays: bool, phase_times:
         [f"dry run: {cfg.model.name}, rollout engine {cfg.rollout.engine}, template {cfg.data.template}, "
          f"run_dir {cfg.logging.run_dir}"],
         _layout_lines(cfg, world_size),
-        _model_lines(cfg),
+        _model_lines(cfg, estimate_memory(cfg, world_size).state),
         memory,
         _step_lines(cfg, world_size, replays),
         _generation_lines(cfg, world_size, phase_times or DEFAULT_PHASE_TIMES),

@@ -1,5 +1,5 @@
-"""The size of the model a `ModelConfig` builds: its parameters (whole and on the most loaded rank) and its KV cache
-per token. Pure functions of the config (the dry run's memory plan and the vLLM start-up check use them)."""
+"""The size of the model a `ModelConfig` builds: its parameters (whole; per rank: planning/sharding.py) and its KV
+cache per token. Pure functions of the config (the dry run's memory plan and the vLLM start-up check use them)."""
 
 from __future__ import annotations
 
@@ -51,18 +51,6 @@ def count_parameters(m: ModelConfig, tp: int = 1) -> ParamCounts:
         num_layers=m.num_layers,
         per_layer_experts=m.num_experts * 3 * h * fe if moe else 0,
     )
-
-
-def params_per_rank(counts: ParamCounts, tp: int, pp: int, ep: int = 1, etp: int = 1) -> int:
-    """Parameters held by the most loaded rank: L/PP layers (matrices / TP, experts / (EP x ETP), norms whole) plus the
-    vocab-parallel embedding (first stage) and output layer (last stage; a tied model keeps a copy
-    of the embedding there when PP > 1)."""
-    layers = counts.num_layers // pp * (counts.per_layer_sharded // tp + counts.per_layer_replicated
-                                        + counts.per_layer_experts // (ep * etp))
-    head = (counts.output_layer or (counts.embedding if pp > 1 else 0)) // tp + counts.final_norm
-    if pp == 1:
-        return layers + counts.embedding // tp + head
-    return layers + max(counts.embedding // tp, head)
 
 
 def param_bytes(m: ModelConfig) -> int:
