@@ -69,12 +69,19 @@ class GroupRelative:
 
     @classmethod
     def shared_settings(cls, name: str, algo: AlgoConfig, max_response_length: int) -> dict[str, Any]:
-        """The shared fields' values from the config (the one place they are read), `fixed_algo_keys` applied."""
-        settings = dict(name=name, adv_std_normalize=algo.adv_std_normalize, ratio=algo.ratio,
-                        surrogate=cls.surrogate_class(algo).from_config(algo), entropy_coeff=algo.entropy_coeff,
-                        loss_agg_mode=algo.loss_agg_mode, loss_seqs_per_rank_ref=algo.loss_seqs_per_rank_ref,
-                        max_response_length=max_response_length, fresh_is_cap=algo.fresh_is_cap)
-        return {**settings, **{key: value for key, (value, _) in cls.fixed_algo_keys.items() if key in settings}}
+        """The shared fields' values (the one place they are read): a key in `algo_keys` from the config, a fixed one
+        its fixed value, any other the schema's default (the variant does not use it)."""
+        default = AlgoConfig()
+
+        def value(key: str) -> Any:
+            if key in cls.fixed_algo_keys:
+                return cls.fixed_algo_keys[key][0]
+            return getattr(algo if key in cls.algo_keys else default, key)
+
+        keys = ("adv_std_normalize", "ratio", "entropy_coeff", "loss_agg_mode", "loss_seqs_per_rank_ref",
+                "fresh_is_cap")
+        return dict(name=name, surrogate=cls.surrogate_class(algo).from_config(algo),
+                    max_response_length=max_response_length, **{key: value(key) for key in keys})
 
     def advantages(self, rewards: Tensor) -> Tensor:
         """A_i = r_i - mean_{j in G} r_j (Dr.GRPO), divided by the group std with `algo.adv_std_normalize`."""
