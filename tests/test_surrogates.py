@@ -76,7 +76,8 @@ def reference(p: dict, arm: str, w: torch.Tensor, replay_surrogate: str = "cispo
                 continue
         value = value + (-u * weight * a).sum()
         surrogate = surrogate + (-u * weight * a * logp).sum()
-    normaliser = n_tokens if arm == "cispo" else algo.max_response_length * len(p["rlens"]) / algo.loss_seqs_per_rank_ref
+    t_max_sequences = algo.max_response_length * len(p["rlens"]) / algo.loss_seqs_per_rank_ref
+    normaliser = n_tokens if arm == "cispo" else t_max_sequences
     return value / normaliser, surrogate / normaliser
 
 
