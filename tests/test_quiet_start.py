@@ -65,8 +65,9 @@ def test_startup_block_says_which_algorithm_runs_and_whether_generation_runs_ahe
     lines = [line for line in block if not line.startswith("exgrpo-train: note: ")]
     assert lines[-2].startswith(f"exgrpo-train: {algorithm}") and rollouts in lines[-1], lines
     notes = [line for line in block if line.startswith("exgrpo-train: note: ")]  # the demo preset's entropy reference
-    assert [n.split("=", 1)[0] for n in notes] == (  # is ExGRPO's: named where the variant does not use it
-        [] if "exgrpo" in algorithm else ["exgrpo-train: note: algo.entropy_microbatches_ref"]), notes
+    assert [n.split("=", 1)[0] for n in notes] == (  # is ExGRPO's and GRPO's: named where the variant does not use it
+        [] if algorithm.startswith(("algorithm exgrpo", "algorithm grpo"))
+        else ["exgrpo-train: note: algo.entropy_microbatches_ref"]), notes
 
 
 SCRIPT = """

@@ -1,17 +1,19 @@
 """Each variant declares the algo.* keys it reads (`algo_keys_read`), fixes (`fixed_algo_keys`) or leaves unused
 on purpose (`unused_algo_keys`); a key set for a variant that does not read it is refused at start-up (exit 2,
 naming it), a fixed key the config asks otherwise and an unused key set are said at start-up. The declarations are
-true: `from_config` reads exactly the declared keys. Also: the entropy reference scales ExGRPO's bonus only."""
+true: `from_config` reads exactly the declared keys. Also: the entropy reference scales the bonus of the variants
+that ask for it in their own class (ExGRPO; GRPO, the paper's baseline) and of no variant built on them."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import pytest
 
 from exgrpo_megatron.algo.registry import algorithm_class, algorithm_notes, build_algorithm, registered_names
+from exgrpo_megatron.algo.variants.grpo import GRPO
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.schema import AlgoConfig
 from exgrpo_megatron.config.validate import TRAINER_ALGO_KEYS, ConfigError, all_errors
@@ -93,12 +95,20 @@ def test_from_config_reads_exactly_the_declared_keys(name, surrogate):
     assert read - TRAINER_ALGO_KEYS == declared, (read ^ declared)
 
 
-def test_the_entropy_reference_scales_exgrpos_bonus_only():
-    """algo.entropy_microbatches_ref is the original code's micro-batch count: ExGRPO's entropy normaliser is the
-    token count / it, every other variant's the token count."""
-    for name in ("exgrpo", "grpo", "cispo", "gspo"):
+def test_the_entropy_reference_scales_only_the_variants_that_ask_for_it():
+    """algo.entropy_microbatches_ref is the original code's micro-batch count: ExGRPO's and GRPO's entropy normaliser
+    is the token count / it; a variant built on GRPO (which does not ask in its own class) has the token count."""
+    for name in ("exgrpo", "grpo", "rloo", "dapo", "gspo", "cispo", "grpo_kl", f"{__name__}:GRPOSubclass"):
         algo = _build(f"algo.name={name}", "algo.entropy_microbatches_ref=4")
-        assert algo.normalisers(100.0, 10.0)[1] == (25.0 if name == "exgrpo" else 100.0), name
+        assert algo.normalisers(100.0, 10.0)[1] == (25.0 if name in ("exgrpo", "grpo") else 100.0), name
+        notes = algorithm_notes(load_config("demo_cpu", [f"algo.name={name}"]).algo)  # the preset sets 1
+        assert [n.split("=")[0] for n in notes] == ([] if name in ("exgrpo", "grpo")
+                                                    else ["algo.entropy_microbatches_ref"]), (name, notes)
+
+
+@dataclass(frozen=True)
+class GRPOSubclass(GRPO):
+    """A newcomer's variant on GRPO: it does not ask for the entropy reference."""
 
 
 def test_cli_exits_2_naming_the_replay_key_for_gspo():

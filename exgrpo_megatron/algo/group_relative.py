@@ -39,16 +39,26 @@ class GroupRelative:
     entropy_coeff: float
     loss_agg_mode: str
     loss_seqs_per_rank_ref: float
+    entropy_microbatches_ref: float  # the entropy bonus x this (1 unless the variant asks: `entropy_reference`)
     max_response_length: int
     fresh_is_cap: float  # > 0: fresh tokens' loss x min(pi_old / pi_engine, cap); 0: off
     filters_groups = False
+    # Does the variant scale its entropy bonus to the original code's micro-batches (`algo.entropy_microbatches_ref`,
+    # algo/loss.py)? Not inherited: a variant asks for it in its own class body (`__init_subclass__`), else its
+    # bonus is entropy_coeff x the token mean of H and the key is unused.
+    entropy_reference: ClassVar[bool] = False
     algo_keys: ClassVar[frozenset[str]] = frozenset({
         "adv_std_normalize", "ratio", "entropy_coeff", "loss_agg_mode", "loss_seqs_per_rank_ref", "fresh_is_cap"})
     fixed_algo_keys: ClassVar[Mapping[str, tuple[Any, str]]] = {}  # key: (the value it always takes, why)
     unused_algo_keys: ClassVar[Mapping[str, str]] = {  # key: why it is not read (warned when set)
-        "entropy_microbatches_ref": "the entropy bonus is entropy_coeff x the token mean of H; only algo.name=exgrpo "
-                                    "scales it to the original code's micro-batches",
+        "entropy_microbatches_ref": "its entropy bonus is entropy_coeff x the token mean of H (the variants that "
+                                    "scale it to the original code's micro-batches: exgrpo, grpo)",
     }
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "entropy_reference" not in cls.__dict__:
+            cls.entropy_reference = False
 
     @classmethod
     def surrogate_class(cls, algo: AlgoConfig) -> type[Surrogate]:
@@ -60,6 +70,7 @@ class GroupRelative:
         """Every algo.* key `from_config` reads: the variant's, its surrogate's, and `algo.max_refill_rounds` when
         it filters groups (the trainer's refill, rollout/group_filter.py)."""
         keys = cls.algo_keys | cls.surrogate_class(algo).algo_keys
+        keys |= {"entropy_microbatches_ref"} if cls.entropy_reference else set()
         return keys | {"max_refill_rounds"} if cls.filters_groups else keys
 
     @classmethod
@@ -80,8 +91,10 @@ class GroupRelative:
 
         keys = ("adv_std_normalize", "ratio", "entropy_coeff", "loss_agg_mode", "loss_seqs_per_rank_ref",
                 "fresh_is_cap")
+        entropy_ref = algo.entropy_microbatches_ref if cls.entropy_reference else 1.0
         return dict(name=name, surrogate=cls.surrogate_class(algo).from_config(algo),
-                    max_response_length=max_response_length, **{key: value(key) for key in keys})
+                    entropy_microbatches_ref=entropy_ref, max_response_length=max_response_length,
+                    **{key: value(key) for key in keys})
 
     def advantages(self, rewards: Tensor) -> Tensor:
         """A_i = r_i - mean_{j in G} r_j (Dr.GRPO), divided by the group std with `algo.adv_std_normalize`."""
@@ -92,9 +105,9 @@ class GroupRelative:
         return True
 
     def normalisers(self, num_tokens_global: float, num_seqs_global: float) -> tuple[float, float]:
-        """(pg, entropy) normalisers (`loss.loss_normalisers`); the entropy bonus is the plain token mean."""
+        """(pg, entropy) normalisers (`loss.loss_normalisers`); the entropy bonus x `entropy_microbatches_ref`."""
         return loss_normalisers(num_tokens_global, num_seqs_global, self.loss_agg_mode, self.max_response_length,
-                                self.loss_seqs_per_rank_ref)
+                                self.loss_seqs_per_rank_ref, self.entropy_microbatches_ref)
 
     def clips(self, phase: Phase) -> bool:
         """Does `phase` keep the surrogate's trust region (PPO's clip) on fresh tokens? (on-policy variants: always)"""

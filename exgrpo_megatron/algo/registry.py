@@ -77,7 +77,13 @@ def algorithm_notes(a: AlgoConfig) -> list[str]:
     """What the start-up block says about the config for the selected variant: keys it overrides or leaves unused
     (config/validate.py `algo_key_notes`)."""
     cls = cast(Any, _selected_class(a))
-    return algo_key_notes(a, cls.fixed_algo_keys, cls.unused_algo_keys) if _declares_keys(cls) else []
+    return algo_key_notes(a, cls.fixed_algo_keys, _unused(cls, a)) if _declares_keys(cls) else []
+
+
+def _unused(variant: Any, a: AlgoConfig) -> dict[str, str]:
+    """The variant's keys unused on purpose, less those it reads after all (a subclass may read one)."""
+    read = variant.algo_keys_read(a)
+    return {key: why for key, why in variant.unused_algo_keys.items() if key not in read}
 
 
 def build_algorithm(a: AlgoConfig, t: TrainerConfig, max_response_length: int) -> RLAlgorithm:
@@ -87,7 +93,7 @@ def build_algorithm(a: AlgoConfig, t: TrainerConfig, max_response_length: int) -
     cls = _selected_class(a)
     if _declares_keys(cls):
         variant = cast(Any, cls)
-        errors = algo_key_errors(a, variant.algo_keys_read(a), variant.fixed_algo_keys, variant.unused_algo_keys)
+        errors = algo_key_errors(a, variant.algo_keys_read(a), variant.fixed_algo_keys, _unused(variant, a))
         errors += variant.config_errors(a)
         if errors:
             raise ConfigError(errors)

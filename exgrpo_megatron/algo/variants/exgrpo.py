@@ -13,20 +13,20 @@ sequence of its own, so the sequence ratio of a fresh sequence never mixes in re
 unchanged. The surrogate is chosen by name (`algo.surrogate`: `ppo_clip`, `cispo`; algo/surrogates.py); the
 truncated-IS replay term applies the same surrogate to replayed tokens.
 
-It alone scales the entropy bonus to the original code's micro-batches (`algo.entropy_microbatches_ref`,
-algo/loss.py), and it alone reads the replay keys: a variant without a pool refuses them.
+It scales the entropy bonus to the original code's micro-batches (`algo.entropy_microbatches_ref`, algo/loss.py;
+GRPO, the paper's baseline, does too), and it alone reads the replay keys: a variant without a pool refuses them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from torch import Tensor
 
 from exgrpo_megatron.algo.group_relative import GroupRelative
-from exgrpo_megatron.algo.loss import loss_normalisers, select_replay_denominator_logprobs
+from exgrpo_megatron.algo.loss import select_replay_denominator_logprobs
 from exgrpo_megatron.algo.policy_loss import ReplayTerm, ShapedReplay, TruncatedISReplay
 from exgrpo_megatron.algo.protocol import GradedResponse
 from exgrpo_megatron.algo.registry import register
@@ -45,11 +45,9 @@ class ExGRPO(GroupRelative):
     mixed_phase_clip: bool
     replay_is_correction: bool
     replay_tis_cap: float  # > 0: replayed tokens as fresh ones x min(pi_old / pi_past, cap), no shaping
-    entropy_microbatches_ref: float  # the entropy bonus x this: the original's micro-batches per rank (algo/loss.py)
     algo_keys: ClassVar[frozenset[str]] = GroupRelative.algo_keys | {
-        "surrogate", "shaping_beta", "policy_shaping", "mixed_phase_clip", "replay_is_correction", "replay_tis_cap",
-        "entropy_microbatches_ref"}
-    unused_algo_keys: ClassVar[Mapping[str, str]] = {}
+        "surrogate", "shaping_beta", "policy_shaping", "mixed_phase_clip", "replay_is_correction", "replay_tis_cap"}
+    entropy_reference: ClassVar[bool] = True  # its bonus at the original code's scale (algo/loss.py)
 
     @classmethod
     def surrogate_class(cls, algo: AlgoConfig) -> type[Surrogate]:
@@ -70,17 +68,11 @@ class ExGRPO(GroupRelative):
     def from_config(cls, name: str, algo: AlgoConfig, trainer: TrainerConfig, max_response_length: int) -> ExGRPO:
         return cls(**cls.shared_settings(name, algo, max_response_length), shaping_beta=algo.shaping_beta,
                    policy_shaping=algo.policy_shaping, mixed_phase_clip=algo.mixed_phase_clip,
-                   replay_is_correction=algo.replay_is_correction, replay_tis_cap=algo.replay_tis_cap,
-                   entropy_microbatches_ref=algo.entropy_microbatches_ref)
+                   replay_is_correction=algo.replay_is_correction, replay_tis_cap=algo.replay_tis_cap)
 
     @property
     def uses_pool(self) -> bool:
         return True
-
-    def normalisers(self, num_tokens_global: float, num_seqs_global: float) -> tuple[float, float]:
-        """(pg, entropy) normalisers; the entropy bonus at the original's scale (x `algo.entropy_microbatches_ref`)."""
-        return loss_normalisers(num_tokens_global, num_seqs_global, self.loss_agg_mode, self.max_response_length,
-                                self.loss_seqs_per_rank_ref, self.entropy_microbatches_ref)
 
     def clips(self, phase: Phase) -> bool:
         """The trust region (PPO's clip) on fresh tokens: in warm-up only (paper §D.1: the mixed phase is unclipped),
