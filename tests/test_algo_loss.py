@@ -18,6 +18,7 @@ from exgrpo_megatron.algo.loss import (
 )
 from exgrpo_megatron.algo.loss_metrics import declared_metrics, summarize_loss_metrics
 from exgrpo_megatron.algo.policy_loss import exgrpo_loss
+from exgrpo_megatron.algo.surrogates import PPOClip
 from exgrpo_megatron.policy.logprobs import vocab_parallel_logprobs_entropy
 from tests.helpers.multirank import run_on_ranks
 
@@ -162,7 +163,7 @@ def test_exgrpo_loss_matches_reference(mixed, mode):
         assert ref_metrics["clipped_token_count"] > 0  # the batch exercises the clip
     else:
         assert metrics["clipped_token_count"].item() == 0
-    summary = summarize_loss_metrics(declared_metrics(has_replay_term=True), metrics)
+    summary = summarize_loss_metrics(declared_metrics(PPOClip.metrics, has_replay_term=True), metrics)
     assert summary["entropy/mean"] == pytest.approx(ref_metrics["entropy_sum"] / ref_metrics["token_count"])
     assert summary["replay/is_weight_max"] == pytest.approx(ref_metrics["replay_weight_max"])
 

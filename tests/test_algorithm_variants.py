@@ -102,7 +102,7 @@ def test_rloo_loss_equals_the_ppo_clip_reference():
     batch = LossBatch.rows(logp, None, mask, old_logprobs=old, behaviour_logprobs=old, advantages=adv,
                            replay=torch.zeros(3))
     loss, metrics = algo.loss(batch, phase=Phase.WARMUP, normalisers=(7.0, 9.0))
-    ref = _ppo_clip_reference(logp, old, adv.tolist(), mask, algo.clip_ratio, 7.0)
+    ref = _ppo_clip_reference(logp, old, adv.tolist(), mask, algo.surrogate.clip.low, 7.0)
     assert float(loss) == pytest.approx(ref, rel=1e-12) and float(metrics["pg_loss"]) == pytest.approx(ref, rel=1e-12)
 
 

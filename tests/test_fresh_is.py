@@ -13,6 +13,7 @@ from exgrpo_megatron.algo.loss import global_loss_counts, loss_normalisers, trun
 from exgrpo_megatron.algo.loss_metrics import declared_metrics, summarize_loss_metrics
 from exgrpo_megatron.algo.policy_loss import LossBatch, exgrpo_loss
 from exgrpo_megatron.algo.registry import build_algorithm
+from exgrpo_megatron.algo.surrogates import PPOClip
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.experience.phase import Phase
 from tests.test_algo_loss import T_MAX, random_batch, ref_loss
@@ -66,7 +67,7 @@ def test_loss_with_tis_matches_reference(mixed, mode):
     assert bool(b["replay"].any()) and not bool(b["replay"].all())
     for key, value in ref_metrics.items():
         assert metrics[key].item() == pytest.approx(value, rel=1e-12), key
-    summary = summarize_loss_metrics(declared_metrics(has_replay_term=True), metrics)
+    summary = summarize_loss_metrics(declared_metrics(PPOClip.metrics, has_replay_term=True), metrics)
     n = ref_metrics["fresh_token_count"]
     assert summary["rollout/is_weight_mean"] == pytest.approx(ref_metrics["fresh_is_weight_sum"] / n, rel=1e-12)
     assert summary["rollout/is_truncated_fraction"] == pytest.approx(ref_metrics["fresh_is_truncated_count"] / n)
@@ -108,7 +109,7 @@ def test_cap_zero_is_the_weight_free_path_bitwise(name):
         beh = algo.replay_denominator_logprobs(b["old"], b["gen"], replay) if name == "exgrpo" else b["old"]
         shaping = dict(shaping_beta=algo.shaping_beta, policy_shaping=algo.policy_shaping) if name == "exgrpo" else {}
         want, _ = exgrpo_loss(lp0, b["old"], beh, b["adv"], b["mask"], replay, ent0, mixed_phase=not algo.clips(phase),
-                              clip_ratio=algo.clip_ratio, entropy_coeff=algo.entropy_coeff, pg_normaliser=11.0,
+                              clip_ratio=algo.surrogate.clip.low, entropy_coeff=algo.entropy_coeff, pg_normaliser=11.0,
                               entropy_normaliser=13.0, **shaping)
         assert torch.equal(loss, want)
         grads, want_grads = torch.autograd.grad(loss, (lp, ent)), torch.autograd.grad(want, (lp0, ent0))

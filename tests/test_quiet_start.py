@@ -61,8 +61,13 @@ def test_startup_block_says_which_algorithm_runs_and_whether_generation_runs_ahe
 
     layout = ParallelLayout(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1,
                             device=torch.device("cpu"))
-    lines = startup_block(load_config("demo_cpu", overrides), layout).splitlines()
+    block = startup_block(load_config("demo_cpu", overrides), layout).splitlines()
+    lines = [line for line in block if not line.startswith("exgrpo-train: note: ")]
     assert lines[-2].startswith(f"exgrpo-train: {algorithm}") and rollouts in lines[-1], lines
+    notes = [line for line in block if line.startswith("exgrpo-train: note: ")]  # the demo preset's entropy reference
+    assert [n.split("=", 1)[0] for n in notes] == (  # is ExGRPO's and GRPO's: named where the variant does not use it
+        [] if algorithm.startswith(("algorithm exgrpo", "algorithm grpo"))
+        else ["exgrpo-train: note: algo.entropy_microbatches_ref"]), notes
 
 
 SCRIPT = """

@@ -211,7 +211,6 @@ def test_generation_counts_skip_the_spliced_trajectory():
 @pytest.mark.parametrize("overrides, key", [
     (["experience.admit_correct_at_most=5", "experience.retire_correct_above=4"], "experience.admit_correct_at_most"),
     (["experience.retire_correct_above=8"], "experience.admit_correct_at_most"),
-    (["algo.replay_tis_cap=2"], "algo.replay_tis_cap"),  # with policy shaping still on
     (["experience.placement=front"], "experience.placement"),
     (["experience.max_age_steps=-1"], "experience.max_age_steps"),
 ])
@@ -220,6 +219,16 @@ def test_invalid_experience_settings_name_their_key(overrides, key):
 
     errors = all_errors(load_config("paper_ratio_cpu", overrides), 1, check_paths=False)
     assert any(e.startswith(key) for e in errors), errors
+
+
+def test_truncated_is_replay_with_policy_shaping_is_refused_naming_the_cap():
+    """ExGRPO's own relation (checked when the variant is built, as the training CLI does at start-up)."""
+    from exgrpo_megatron.config.validate import ConfigError
+
+    cfg = load_config("paper_ratio_cpu", ["algo.replay_tis_cap=2"])  # policy shaping still on
+    with pytest.raises(ConfigError) as err:
+        build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    assert [e.split(":", 1)[0] for e in err.value.errors] == ["algo.replay_tis_cap"]
 
 
 def test_su01_preset_is_the_authors_recipe_beside_the_papers():

@@ -17,6 +17,7 @@ from exgrpo_megatron.algo.loss_metrics import summarize_loss_metrics
 from exgrpo_megatron.algo.policy_loss import LossBatch
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.algo.sequences import Sequences
+from exgrpo_megatron.algo.surrogates import PPOClip
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.experience.phase import Phase
 from exgrpo_megatron.policy.batch import collate, make_micro_batches
@@ -239,9 +240,10 @@ def test_asymmetric_clip_is_dapos_clip_higher():
             assert got == pytest.approx(want, rel=1e-15) and was == (-adv * min(max(r, 0.8), 1.28) > -adv * r)
     cfg = load_config("demo_cpu", ["algo.name=dapo", "algo.clip_ratio_high=0.28"])
     algo = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
-    assert algo.loss_spec(Phase.WARMUP).clip == Clip(0.2, 0.28)
+    spec = algo.loss_spec(Phase.WARMUP)
+    assert spec.surrogate == PPOClip(Clip(0.2, 0.28)) and spec.trust_region
     cfg = load_config("demo_cpu", ["algo.name=dapo"])
-    assert build_algorithm(cfg.algo, cfg.trainer, 8).loss_spec(Phase.WARMUP).clip == Clip(0.2, 0.2)
+    assert build_algorithm(cfg.algo, cfg.trainer, 8).loss_spec(Phase.WARMUP).surrogate == PPOClip(Clip(0.2, 0.2))
 
 
 def test_a_loss_without_a_replay_term_declares_no_replay_metric():

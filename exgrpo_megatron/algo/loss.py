@@ -1,8 +1,8 @@
 """The parts a policy-gradient loss is assembled from, each a small pure function, and the DP- and
-micro-batch-invariant normalisers: the ratio (`log_ratio`: token | sequence), the clip (`Clip`, `clipped_surrogate`),
-the replay term (`replay_token_loss`, or `replay_truncated_is_loss`), the fresh tokens' truncated IS
-(`truncated_is_weight`) and the aggregation (`aggregate`). algo/policy_loss.py assembles them; the formulas below are
-ExGRPO's, the default assembly.
+micro-batch-invariant normalisers: the ratio (`log_ratio`: token | sequence), PPO's clip (`Clip`, `clipped_surrogate`;
+the surrogate part is chosen by name, algo/surrogates.py), the replay term (`replay_token_loss`, or the truncated-IS
+one, `TruncatedISReplay` in algo/policy_loss.py), the truncated IS weight (`truncated_is_weight`) and the aggregation
+(`aggregate`). algo/policy_loss.py assembles them; the formulas below are ExGRPO's, the default assembly.
 
 Sources: paper Eq. 3-4 and §D.1 (mixed-policy objective; clipping removed and policy shaping used in the
 mixed phase); docs/exgrpo.md (the code's `compute_token_on_off_policy_loss`). Notation per token t
@@ -19,9 +19,10 @@ Per-token loss l_t (no KL term; the original has none):
     l = -A*f(w),  f(w) = w / (w + beta),  beta = 0.1              (policy shaping, Eq. 4)
     l = -A*w      with algo.policy_shaping=false                  (plain unclipped IS: paper Tab. 6 "w/o shaping";
                                                                    the original's off_policy_reshape=no_reshape)
-    with algo.replay_tis_cap = C > 0 (no shaping; `replay_truncated_is_loss`): the fresh-token loss of the phase
-      against pi_old, times u = min(exp(logp_old - logp_behaviour), C) detached -- the ExGRPO authors' Megatron port
-      (SU-01): replayed samples carry their recorded log-probs and the ordinary truncated-IS path corrects them
+    with algo.replay_tis_cap = C > 0 (no shaping; `TruncatedISReplay`): the fresh-token loss of the phase (the
+      spec's surrogate) against pi_old, times u = min(exp(logp_old - logp_behaviour), C) detached -- the ExGRPO
+      authors' Megatron port (SU-01): replayed samples carry their recorded log-probs and the ordinary truncated-IS
+      path corrects them
 Total loss of one micro-batch on one rank:
   L_mb = sum_{i,t} m*l / pg_normaliser  -  entropy_coeff * sum_{i,t} m*H / entropy_normaliser
 
@@ -55,8 +56,9 @@ Aggregation modes:
 Other parts (not ExGRPO's defaults): the clip range may be asymmetric, [1 - clip_ratio, 1 + clip_ratio_high] (DAPO's
 clip-higher); the fresh tokens' ratio may be GSPO's sequence ratio (`sequence_log_ratio`).
 
-Entropy bonus (both modes): entropy_normaliser = global valid tokens / M_ref, i.e. the bonus is
-    c * M_ref * (global token mean of H),   M_ref = `algo.entropy_microbatches_ref`.
+Entropy bonus (every mode): entropy_normaliser = global valid tokens / M_ref, i.e. the bonus is
+    c * M_ref * (global token mean of H),   M_ref = `algo.entropy_microbatches_ref` for ExGRPO, 1 for a variant that
+    does not ask for the original's scale (`GroupRelative.normalisers`).
 The original's bonus is c * token_mean per micro-batch, SUMMED over its dynamic micro-batches (verl's
 `use_dynamic_bsz`: ceil(tokens / 32768) token-balanced micro-batches per GPU), then averaged over ranks: with M
 micro-batches of equal token counts that is exactly c * M * the token mean. M depends on the layout (sequences
@@ -214,19 +216,6 @@ def replay_weight(log_w: Tensor, beta: float = 0.1, shaping: bool = True) -> Ten
 def replay_token_loss(log_w: Tensor, advantages: Tensor, beta: float = 0.1, shaping: bool = True) -> Tensor:
     """Per-token loss of replayed tokens: l = -A * f(w), or l = -A * w without shaping (`replay_weight`)."""
     return -advantages * replay_weight(log_w, beta, shaping)
-
-
-def replay_truncated_is_loss(log_rho: Tensor, old_logprobs: Tensor, denominator_logprobs: Tensor, advantages: Tensor,
-                             cap: float, clip: Clip | None) -> tuple[Tensor, Tensor]:
-    """Per-token loss of replayed tokens corrected by truncated IS instead of shaped (`algo.replay_tis_cap`):
-        l = u * clipped_surrogate(log_rho, A, clip),  u = min(exp(logp_old - logp_denominator), cap)  detached,
-    log_rho = the fresh tokens' ratio against pi_old and `clip` the phase's (the fresh-token loss); the denominator is
-    the trajectory's recorded pi_past (`replay_is_correction`). The product's gradient is u * the fresh-token
-    gradient: pi_theta / pi_past truncated at cap * pi_theta / pi_old, the truncated-IS estimator of Ionides 2008 as
-    Yao et al. 2025 and slime's `--use-tis` apply it. Returns (loss, the weight u)."""
-    weight = truncated_is_weight(old_logprobs, denominator_logprobs, cap).weight
-    loss, _ = clipped_surrogate(log_rho, advantages, clip)
-    return loss * weight.to(loss.dtype), weight
 
 
 class TruncatedIS(NamedTuple):

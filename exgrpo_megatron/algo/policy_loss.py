@@ -1,8 +1,8 @@
 """One micro-batch's policy-gradient loss assembled from the parts of algo/loss.py, as a `LossSpec` names them.
 
-    fresh tokens:    l = clipped_surrogate(log_ratio(spec.ratio), A, spec.clip)  [x truncated IS weight]
+    fresh tokens:    l = spec.surrogate(log_ratio(spec.ratio), A; spec.trust_region)  [x truncated IS weight]
     replayed tokens: l = spec.replay's term (ExGRPO: -A * f(w), w against the replay denominator; with
-                     algo.replay_tis_cap the fresh-token loss x truncated IS against the recorded log-probs)
+                     algo.replay_tis_cap the spec's surrogate x truncated IS against the recorded log-probs)
     L_mb = aggregate(l, spec.aggregation) - entropy_coeff * sum_{i,t} m*H / entropy_normaliser
 
 `LossBatch` is what the loss reads of one micro-batch: the per-token inputs and which sequence each token belongs to
@@ -24,15 +24,15 @@ from exgrpo_megatron.algo.loss import (
     TruncatedIS,
     aggregate,
     approx_kl_k3,
-    clipped_surrogate,
     log_ratio,
     per_token,
     replay_token_loss,
-    replay_truncated_is_loss,
     replay_weight,
     token_log_ratio,
+    truncated_is_weight,
 )
 from exgrpo_megatron.algo.sequences import Sequences
+from exgrpo_megatron.algo.surrogates import PPOClip, Surrogate, SurrogateInputs
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,9 @@ class ShapedReplay:
     beta: float = 0.1
     shaping: bool = True
 
-    def token_loss(self, r: ReplayInputs, ratio: str, clip: Clip | None) -> tuple[Tensor, Tensor]:
-        """(per-token loss, the weight A is multiplied by: f(w) or w)."""
+    def token_loss(self, r: ReplayInputs, ratio: str, surrogate: Surrogate, trust_region: bool
+                   ) -> tuple[Tensor, Tensor]:
+        """(per-token loss, the weight A is multiplied by: f(w) or w); the surrogate is not applied."""
         log_w = token_log_ratio(r.logprobs, r.denominator, r.tokens)
         return replay_token_loss(log_w, r.advantages, self.beta, self.shaping), replay_weight(log_w, self.beta,
                                                                                              self.shaping)
@@ -84,18 +85,24 @@ class ShapedReplay:
 
 @dataclass(frozen=True)
 class TruncatedISReplay:
-    """The truncated-IS replay term (`algo.replay_tis_cap` > 0; `loss.replay_truncated_is_loss`): replayed tokens take
-    the fresh-token loss (the spec's ratio against pi_old and the phase's clip) times u = min(exp(logp_old -
-    logp_denominator), cap) detached, no shaping; its weight is u * rho."""
+    """The truncated-IS replay term (`algo.replay_tis_cap` > 0): replayed tokens take the fresh-token loss -- the
+    spec's surrogate of the spec's ratio against pi_old, in the phase's trust region -- times
+    u = min(exp(logp_old - logp_denominator), cap) detached (`loss.truncated_is_weight`), no shaping; its weight is
+    u * rho. The product's gradient is u x the fresh-token gradient: truncated IS (Ionides 2008) of pi_old against
+    the trajectory's recorded pi_past, as the ExGRPO authors' Megatron port (SU-01) and slime's `--use-tis` apply it."""
 
     cap: float
 
-    def token_loss(self, r: ReplayInputs, ratio: str, clip: Clip | None) -> tuple[Tensor, Tensor]:
+    def token_loss(self, r: ReplayInputs, ratio: str, surrogate: Surrogate, trust_region: bool
+                   ) -> tuple[Tensor, Tensor]:
         zero = torch.zeros((), dtype=r.logprobs.dtype, device=r.logprobs.device)
         log_rho = log_ratio(ratio, r.logprobs, r.old_logprobs, r.tokens, r.sequences)
-        loss, u = replay_truncated_is_loss(log_rho, torch.where(r.tokens, r.old_logprobs, zero),
-                                           torch.where(r.tokens, r.denominator, zero), r.advantages, self.cap, clip)
-        return loss, u * torch.exp(log_rho)
+        u = truncated_is_weight(torch.where(r.tokens, r.old_logprobs, zero), torch.where(r.tokens, r.denominator, zero),
+                                self.cap).weight
+        fresh_form = surrogate.token_loss(
+            SurrogateInputs(log_rho, token_log_ratio(r.logprobs, r.old_logprobs, r.tokens), r.advantages),
+            trust_region)
+        return fresh_form.loss * u.to(fresh_form.loss.dtype), u * torch.exp(log_rho)
 
 
 ReplayTerm = ShapedReplay | TruncatedISReplay
@@ -106,7 +113,8 @@ class LossSpec:
     """Which parts a loss is assembled from."""
 
     ratio: str  # fresh tokens' ratio: token | sequence (`loss.log_ratio`)
-    clip: Clip | None  # None: unclipped
+    surrogate: Surrogate  # how a token's ratio and advantage become its loss (algo/surrogates.py)
+    trust_region: bool  # the phase keeps the surrogate's trust region (PPO's clip); False: ExGRPO's mixed phase
     aggregation: str  # token_sum_constant | token_mean | seq_mean (`loss.aggregate`)
     replay: ReplayTerm | None  # None: no replay term (a replayed row is an error) and no replay metrics
     entropy_coeff: float
@@ -132,7 +140,9 @@ def policy_loss(batch: LossBatch, spec: LossSpec, normalisers: tuple[float, floa
 
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_rho = log_ratio(spec.ratio, logprobs, batch.old_logprobs, fresh, batch.sequences)
-    fresh_loss, clipped = clipped_surrogate(log_rho, adv, spec.clip)
+    token_log_rho = log_rho if spec.ratio == "token" else token_log_ratio(logprobs, batch.old_logprobs, fresh)
+    fresh_loss, surrogate_terms = spec.surrogate.token_loss(SurrogateInputs(log_rho, token_log_rho, adv),
+                                                            spec.trust_region)
     if fresh_is is not None:  # 1 off fresh tokens, so padding or replay values never reach the product
         is_weight = torch.where(fresh, fresh_is.weight.detach().to(logprobs.dtype), torch.ones_like(zero))
         is_truncated = fresh_is.truncated.bool() & fresh
@@ -145,7 +155,7 @@ def policy_loss(batch: LossBatch, spec: LossSpec, normalisers: tuple[float, floa
         log_w = token_log_ratio(logprobs, replay_denominator, replay)
         replay_loss, replay_effective = spec.replay.token_loss(
             ReplayInputs(logprobs, batch.old_logprobs, replay_denominator, adv, replay, batch.sequences),
-            spec.ratio, spec.clip)
+            spec.ratio, spec.surrogate, spec.trust_region)
         token_loss = torch.where(replay, replay_loss, torch.where(fresh, fresh_loss, zero))
     else:
         token_loss = torch.where(fresh, fresh_loss, zero)
@@ -160,13 +170,12 @@ def policy_loss(batch: LossBatch, spec: LossSpec, normalisers: tuple[float, floa
         entropy_sum = entropy_bonus = zero
 
     with torch.no_grad():
-        token_log_rho = log_rho if spec.ratio == "token" else token_log_ratio(logprobs, batch.old_logprobs, fresh)
         metrics = {
             "pg_loss": pg_loss,
             "entropy_bonus": entropy_bonus,
             "token_count": valid.sum(),
             "fresh_token_count": fresh.sum(),
-            "clipped_token_count": (clipped & fresh).sum(),
+            **{key: torch.where(fresh, term, torch.zeros_like(term)).sum() for key, term in surrogate_terms.items()},
             "fresh_ratio_sum": torch.where(fresh, torch.exp(log_rho), zero).sum(),
             "approx_kl_sum": torch.where(fresh, approx_kl_k3(token_log_rho), zero).sum(),
             "entropy_sum": entropy_sum,
@@ -212,8 +221,7 @@ def exgrpo_loss(
                           else ShapedReplay(shaping_beta, policy_shaping))
     batch = LossBatch.rows(logprobs, entropy, response_mask, old_logprobs=old_logprobs,
                            behaviour_logprobs=replay_denominator_logprobs, advantages=advantages, replay=replay_mask)
-    spec = LossSpec(ratio="token", clip=None if mixed_phase else Clip(clip_ratio, clip_ratio),
-                    aggregation="token_sum_constant", replay=replay,
-                    entropy_coeff=entropy_coeff)
+    spec = LossSpec(ratio="token", surrogate=PPOClip(Clip(clip_ratio, clip_ratio)), trust_region=not mixed_phase,
+                    aggregation="token_sum_constant", replay=replay, entropy_coeff=entropy_coeff)
     return policy_loss(batch, spec, (pg_normaliser, entropy_normaliser),
                        replay_denominator=replay_denominator_logprobs, fresh_is=fresh_is_weights)

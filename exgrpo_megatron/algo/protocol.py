@@ -76,7 +76,7 @@ class RLAlgorithm(Protocol):
         ...
 
     def clips(self, phase: Phase) -> bool:
-        """PPO clip on fresh tokens in `phase`?"""
+        """Does `phase` keep the surrogate's trust region (PPO's clip) on fresh tokens?"""
         ...
 
     def normalisers(self, num_tokens_global: float, num_seqs_global: float) -> tuple[float, float]:

@@ -8,13 +8,12 @@ they are imported on first lookup, so a new variant is one new file there. `algo
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from collections.abc import Callable
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from exgrpo_megatron.algo.protocol import RLAlgorithm
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
-from exgrpo_megatron.config.validate import ConfigError
+from exgrpo_megatron.config.validate import ConfigError, algo_key_errors, algo_key_notes
 
 _REGISTRY: dict[str, type[RLAlgorithm]] = {}
 T = TypeVar("T", bound=type)
@@ -34,8 +33,7 @@ def register(name: str) -> Callable[[T], T]:
 def _import_builtin_variants() -> None:
     from exgrpo_megatron.algo import variants
 
-    for module in pkgutil.iter_modules(variants.__path__):
-        importlib.import_module(f"{variants.__name__}.{module.name}")
+    variants.import_all()
 
 
 def registered_names() -> list[str]:
@@ -61,13 +59,44 @@ def algorithm_class(name: str) -> type[RLAlgorithm]:
     return cast(type[RLAlgorithm], cls)
 
 
-def build_algorithm(a: AlgoConfig, t: TrainerConfig, max_response_length: int) -> RLAlgorithm:
-    """The algorithm `algo.name` selects, built from the config values it reads; ConfigError naming algo.name
-    when it names none (the training CLI exits 2 before building anything else)."""
+def _selected_class(a: AlgoConfig) -> type[RLAlgorithm]:
     try:
-        cls = algorithm_class(a.name)
+        return algorithm_class(a.name)
     except ValueError as exc:
         raise ConfigError([f"algo.name: {exc}"]) from None
+
+
+def _declares_keys(cls: type) -> bool:
+    """Does the class declare the algo.* keys it reads (`GroupRelative.algo_keys_read` and the rest)? A class
+    outside the package need not; its keys are then not checked."""
+    return all(hasattr(cls, name) for name in ("algo_keys_read", "fixed_algo_keys", "unused_algo_keys",
+                                               "config_errors"))
+
+
+def algorithm_notes(a: AlgoConfig) -> list[str]:
+    """What the start-up block says about the config for the selected variant: keys it overrides or leaves unused
+    (config/validate.py `algo_key_notes`)."""
+    cls = cast(Any, _selected_class(a))
+    return algo_key_notes(a, cls.fixed_algo_keys, _unused(cls, a)) if _declares_keys(cls) else []
+
+
+def _unused(variant: Any, a: AlgoConfig) -> dict[str, str]:
+    """The variant's keys unused on purpose, less those it reads after all (a subclass may read one)."""
+    read = variant.algo_keys_read(a)
+    return {key: why for key, why in variant.unused_algo_keys.items() if key not in read}
+
+
+def build_algorithm(a: AlgoConfig, t: TrainerConfig, max_response_length: int) -> RLAlgorithm:
+    """The algorithm `algo.name` selects, built from the config values it reads; ConfigError naming algo.name
+    when it names none, naming every algo.* key set that the variant does not read and the variant's own
+    relation errors (the training CLI exits 2 before building anything else)."""
+    cls = _selected_class(a)
+    if _declares_keys(cls):
+        variant = cast(Any, cls)
+        errors = algo_key_errors(a, variant.algo_keys_read(a), variant.fixed_algo_keys, _unused(variant, a))
+        errors += variant.config_errors(a)
+        if errors:
+            raise ConfigError(errors)
     algorithm = cls.from_config(a.name, a, t, max_response_length)
     if not isinstance(algorithm, RLAlgorithm):
         raise ConfigError([f"algo.name: {a.name!r} does not implement the RLAlgorithm protocol (algo/protocol.py)"])

@@ -134,6 +134,10 @@ class AlgoConfig:
     mixed_phase_clip: bool = False  # PPO clip on fresh tokens in the mixed phase too (paper §D.1: off)
     max_refill_rounds: int = 3  # extra generation rounds refilling groups the algorithm's filter dropped
     fresh_is_cap: float = 0.0  # fresh tokens x min(pi_old / pi_behaviour, cap) (truncated IS); 0 = off
+    surrogate: str = "ppo_clip"  # algo.name=exgrpo: the surrogate by name (algo/surrogates.py): ppo_clip | cispo | ...
+    cispo_eps_low: Optional[float] = None  # CISPO's weight >= 1 - this; None = no lower bound (MiniMax-M1)
+    cispo_eps_high: float = 0.28  # CISPO's weight <= 1 + this
+    kl_coef: float = 0.04  # algo.name=grpo_kl: beta of the k3 KL penalty against pi_old (DeepSeekMath: 0.04)
 
 
 @dataclass

@@ -10,13 +10,16 @@ of its domain gets that one error (the relations involving it are not reported o
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
 
 from exgrpo_megatron.config.derived import padded_vocab_size
 from exgrpo_megatron.config.domains import domain_errors, path_errors
 from exgrpo_megatron.config.families import FAMILIES
 from exgrpo_megatron.config.moe_checks import moe_config_errors
 from exgrpo_megatron.config.pi_old_source import resolve_old_logprobs_for
-from exgrpo_megatron.config.schema import CHOICES, RootConfig
+from exgrpo_megatron.config.schema import CHOICES, AlgoConfig, RootConfig
 
 
 class ConfigError(ValueError):
@@ -108,17 +111,48 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
 
 
 def experience_errors(cfg: RootConfig) -> list[str]:
-    """The pool's thresholds against K, and the replay term's settings (experience/shard.py, algo/loss.py)."""
+    """The pool's thresholds against K (experience/shard.py); the replay term's settings are ExGRPO's own checks."""
     x, k, e = cfg.experience, cfg.rollout.n, list[str]()
     retire = x.retire_above(k)
     if not 0 <= x.admit_correct_above < x.admit_correct_at_most <= retire < k:
         e.append(f"experience.admit_correct_at_most: need 0 <= admit_correct_above ({x.admit_correct_above}) < "
                  f"admit_correct_at_most ({x.admit_correct_at_most}) <= retire_correct_above ({retire}) < "
                  f"rollout.n ({k})")
-    if cfg.algo.replay_tis_cap > 0 and cfg.algo.policy_shaping:
-        e.append(f"algo.replay_tis_cap: {cfg.algo.replay_tis_cap}: replayed tokens corrected by truncated IS take no "
-                 "policy shaping; set algo.policy_shaping=false with it")
     return e
+
+
+# algo.* keys the trainer reads whatever the variant (the others are the variant's: it declares which it reads)
+TRAINER_ALGO_KEYS = frozenset({"name", "old_logprobs", "skip_grad_bound", "max_consecutive_skips"})
+
+
+def _set_keys(algo: AlgoConfig) -> dict[str, Any]:
+    """The algo.* keys whose value is not the schema's default (set by the preset or the command line)."""
+    default = AlgoConfig()
+    return {f.name: getattr(algo, f.name) for f in fields(AlgoConfig)
+            if getattr(algo, f.name) != getattr(default, f.name)}
+
+
+def algo_key_errors(algo: AlgoConfig, read: frozenset[str], fixed: Mapping[str, tuple[Any, str]],
+                    unused: Mapping[str, str]) -> list[str]:
+    """A key set for a variant that does not read it: every algo.* key away from its default that the variant
+    (`algo.name`) neither reads (`read`), fixes (`fixed`: key -> (value, why)) nor leaves unused on purpose
+    (`unused`: key -> why; `algo_key_notes` warns of those) -- the variants declare these (algo/group_relative.py)."""
+    known = read | TRAINER_ALGO_KEYS | set(fixed) | set(unused)
+    return [f"algo.{key}: {value!r} is not read by algo.name={algo.name} (it reads "
+            f"{', '.join(sorted(read))}); remove the key or choose a variant that reads it"
+            for key, value in _set_keys(algo).items() if key not in known]
+
+
+def algo_key_notes(algo: AlgoConfig, fixed: Mapping[str, tuple[Any, str]], unused: Mapping[str, str]) -> list[str]:
+    """What the run says at start-up about keys set but overridden or unused by the variant."""
+    notes = []
+    for key, value in _set_keys(algo).items():
+        if key in fixed and value != fixed[key][0]:
+            notes.append(f"algo.{key}={value!r} is overridden: algo.name={algo.name} takes {fixed[key][0]!r} "
+                         f"({fixed[key][1]})")
+        elif key in unused:
+            notes.append(f"algo.{key}={value!r} is not used by algo.name={algo.name}: {unused[key]}")
+    return notes
 
 
 def _old_logprobs_errors(cfg: RootConfig) -> list[str]:

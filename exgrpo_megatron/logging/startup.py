@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from exgrpo_megatron.algo.registry import build_algorithm
+from exgrpo_megatron.algo.registry import algorithm_notes, build_algorithm
 from exgrpo_megatron.config.derived import resolve_params_dtype
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.cpu_warnings import cpu_run_banner
@@ -29,5 +29,6 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
     val = f"validation avg@{t.val_n} every {t.val_every} steps" if t.val_every else "no validation"
     lines.append(f"{t.total_steps} steps of {t.train_batch_size} prompts x {cfg.rollout.n} rollouts; {val}")
     replays = build_algorithm(cfg.algo, t, cfg.data.max_response_length).uses_pool
-    lines += [f"algorithm {cfg.algo.name}; {replay_line(cfg, replays)}", generation_line(cfg)]
+    lines += [f"algorithm {cfg.algo.name}; {replay_line(cfg, replays)}",
+              *(f"note: {note}" for note in algorithm_notes(cfg.algo)), generation_line(cfg)]
     return "\n".join(PREFIX + line for line in lines)

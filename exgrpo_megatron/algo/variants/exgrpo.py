@@ -10,13 +10,18 @@ selection) are the `experience` config group's.
 
 The fresh tokens' ratio may be GSPO's sequence ratio (`algo.ratio=sequence`): a replayed trajectory is a whole
 sequence of its own, so the sequence ratio of a fresh sequence never mixes in replayed tokens and the replay term is
-unchanged.
+unchanged. The surrogate is chosen by name (`algo.surrogate`: `ppo_clip`, `cispo`; algo/surrogates.py); the
+truncated-IS replay term applies the same surrogate to replayed tokens.
+
+It scales the entropy bonus to the original code's micro-batches (`algo.entropy_microbatches_ref`, algo/loss.py;
+GRPO, the paper's baseline, does too), and it alone reads the replay keys: a variant without a pool refuses them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor
 
@@ -25,7 +30,9 @@ from exgrpo_megatron.algo.loss import select_replay_denominator_logprobs
 from exgrpo_megatron.algo.policy_loss import ReplayTerm, ShapedReplay, TruncatedISReplay
 from exgrpo_megatron.algo.protocol import GradedResponse
 from exgrpo_megatron.algo.registry import register
+from exgrpo_megatron.algo.surrogates import Surrogate, surrogate_class
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
+from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.experience.phase import Phase
 from exgrpo_megatron.experience.types import GroupOutcome
 
@@ -38,6 +45,24 @@ class ExGRPO(GroupRelative):
     mixed_phase_clip: bool
     replay_is_correction: bool
     replay_tis_cap: float  # > 0: replayed tokens as fresh ones x min(pi_old / pi_past, cap), no shaping
+    algo_keys: ClassVar[frozenset[str]] = GroupRelative.algo_keys | {
+        "surrogate", "shaping_beta", "policy_shaping", "mixed_phase_clip", "replay_is_correction", "replay_tis_cap"}
+    entropy_reference: ClassVar[bool] = True  # its bonus at the original code's scale (algo/loss.py)
+
+    @classmethod
+    def surrogate_class(cls, algo: AlgoConfig) -> type[Surrogate]:
+        """The surrogate `algo.surrogate` names (fresh tokens and the truncated-IS replay term)."""
+        try:
+            return surrogate_class(algo.surrogate)
+        except ValueError as exc:
+            raise ConfigError([f"algo.surrogate: {exc}"]) from None
+
+    @classmethod
+    def config_errors(cls, algo: AlgoConfig) -> list[str]:
+        if algo.replay_tis_cap > 0 and algo.policy_shaping:
+            return [f"algo.replay_tis_cap: {algo.replay_tis_cap}: replayed tokens corrected by truncated IS take no "
+                    "policy shaping; set algo.policy_shaping=false with it"]
+        return []
 
     @classmethod
     def from_config(cls, name: str, algo: AlgoConfig, trainer: TrainerConfig, max_response_length: int) -> ExGRPO:
@@ -50,14 +75,15 @@ class ExGRPO(GroupRelative):
         return True
 
     def clips(self, phase: Phase) -> bool:
-        """PPO clip on fresh tokens: in warm-up only (paper §D.1: the mixed phase is unclipped), unless
-        `algo.mixed_phase_clip` keeps it in every phase."""
+        """The trust region (PPO's clip) on fresh tokens: in warm-up only (paper §D.1: the mixed phase is unclipped),
+        unless `algo.mixed_phase_clip` keeps it in every phase."""
         return phase is Phase.WARMUP or self.mixed_phase_clip
 
     @property
     def replay_term(self) -> ReplayTerm:
         """-A * f(w) on replayed tokens, f(w) = w / (w + `algo.shaping_beta`), the plain w without
-        `algo.policy_shaping`; with `algo.replay_tis_cap` > 0 the fresh-token loss x min(pi_old / pi_past, cap)."""
+        `algo.policy_shaping`; with `algo.replay_tis_cap` > 0 the fresh-token loss (the surrogate) x
+        min(pi_old / pi_past, cap)."""
         if self.replay_tis_cap > 0:
             return TruncatedISReplay(self.replay_tis_cap)
         return ShapedReplay(self.shaping_beta, self.policy_shaping)
