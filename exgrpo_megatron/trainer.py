@@ -25,7 +25,7 @@ from exgrpo_megatron.algo.protocol import GradedResponse, RLAlgorithm
 from exgrpo_megatron.components import Components, build_components
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import QuestionGroup, compose_step, local_groups
-from exgrpo_megatron.distributed import collective_ledger
+from exgrpo_megatron.distributed import collective_watch
 from exgrpo_megatron.distributed.preemption import PreemptionHandler
 from exgrpo_megatron.distributed.runtime import init_distributed
 from exgrpo_megatron.experience.phase import Phase, solved_fraction
@@ -296,11 +296,11 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
     try:
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
             c.observers.begin(step)
-            collective_ledger.begin_step(step)
+            collective_watch.begin_step(step)
             metrics = train_step(c, state, step)
             if cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
                 metrics.update(state.validate(step))
-            collective_ledger.check_step(step)  # parallel.collective_ledger: the ranks issued the same collectives
+            collective_watch.check_step(step)  # parallel.collective_ledger: the ranks issued the same collectives
             state.finish_step(step, metrics)
             c.observers.step_finished(metrics)
             if state.consecutive_skips >= cfg.algo.max_consecutive_skips:

@@ -6,15 +6,16 @@ exgrpo_megatron frame of the Python stack, `file:function`) and a pass name -- t
 `collective_pass("name")`, else the trainer verb it runs under (`trainer.with_old_logprobs`). Ranks compare without
 a collective of their own (one could be paired with the wrong call), through the process group's store:
 
-* at each step's end (`check_step`, from the run loop) each rank publishes, per process group, its count of calls
-  and a digest of their ops, and waits for every rank's; a group whose members disagree makes every rank publish
-  its calls, name the first call that differs on each rank, and exit 5;
+* at each step's end (`collective_watch.check_step`, from the run loop) each rank publishes, per process group,
+  its count of calls and a digest of their ops, and waits for every rank's; a group whose members disagree makes
+  every rank publish its calls, name the first call that differs on each rank, and exit 5;
 * while a collective (or that wait) has lasted LEDGER_WAIT_S, the rank publishes the calls of its step and the one
   it is blocked in; once the published ranks wait for each other in a cycle (each is blocked in a call that the
   next one never issued), or two of them issued different ops at the same position of one group, the run stops
   with exit 5 and the divergent calls named on each rank -- in seconds, not at the collective timeout.
 
-Only the ops and groups decide that ranks diverged; call sites and pass names only name the calls.
+Only the ops and groups decide that ranks diverged; call sites and pass names only name the calls. Point-to-point
+sends between pipeline stages are not collectives and are not recorded.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from exgrpo_megatron.distributed.collective_watch import group_label
-
 LEDGER_WAIT_S = 3.0  # a collective this old publishes the rank's ledger
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 OWN_FILES = ("collective_watch.py", "collective_ledger.py")
@@ -50,6 +49,27 @@ def collective_pass(name: str) -> Iterator[None]:
         yield
     finally:
         _pass_name.value = before
+
+
+def process_group(group: Any) -> dist.ProcessGroup:
+    """The group a collective's `group` argument means (None: the default group)."""
+    g = group if group is not None else dist.group.WORLD
+    assert g is not None, "torch.distributed is not initialised"
+    return g
+
+
+def group_ranks(group: Any) -> list[int]:
+    return list(dist.get_process_group_ranks(process_group(group)))
+
+
+def group_label(group: Any) -> str:
+    """megatron's description of a process group (EXPERT_MODEL_PARALLEL_GROUP, ...), else torch's name for it."""
+    g = process_group(group)
+    return g.group_desc if g.group_desc not in ("", "undefined") else f"group {g.group_name}"
+
+
+def describe_group(group: Any) -> str:
+    return f"{group_label(group)} {group_ranks(group)}"
 
 
 @dataclass(frozen=True)
@@ -108,7 +128,7 @@ class CollectiveLedger:
         self.step, self.calls = step, []
 
     def record(self, op: str, group: Any) -> LedgerCall:
-        g = group if group is not None else dist.group.WORLD
+        g = process_group(group)
         site, pass_name = call_site()
         call = LedgerCall(len(self.calls) + 1, op, g.group_name, group_label(g),
                           tuple(dist.get_process_group_ranks(g)), site, pass_name)
@@ -116,16 +136,13 @@ class CollectiveLedger:
         self.blocked = len(self.calls) - 1
         return call
 
-    def call_finished(self) -> None:
+    def call_finished(self, store: dist.Store | None) -> None:
         self.blocked = None
         self._seen = None
         if self.published:
             self.published = False
-            from exgrpo_megatron.distributed.collective_watch import active
-
-            watch = active()
-            if watch is not None and watch.store is not None:
-                watch.store.delete_key(f"blocked/{self.rank}")
+            if store is not None:
+                store.delete_key(f"blocked/{self.rank}")
 
     def state(self) -> str:
         return json.dumps({"step": self.step, "blocked": self.blocked, "calls": [c.row() for c in self.calls]})
@@ -149,7 +166,7 @@ class CollectiveLedger:
         found = blocked_divergence(states)
         confirmed = found is not None and found == self._seen
         self._seen = found
-        return found if confirmed else None
+        return [f"rank {self.rank}: {found[0]}", *found[1:]] if confirmed and found else None
 
     def check_step(self, store: dist.Store, step: int) -> list[str] | None:
         """Step boundary: the report when the ranks' per-group digests differ (every rank finds the same)."""
@@ -205,21 +222,28 @@ def differs(digests: dict[int, dict[str, list[Any]]], group: str) -> bool:
 
 def first_difference(states: dict[int, RankState]) -> list[str]:
     """Each rank's call at the earliest position where the members of a process group issued different calls (op
-    or call site), or where one of them issued none; [] when the published ledgers agree."""
+    or call site), or where one of them issued none there (then: its call of the same number in the step, and how
+    many it issued on that group); [] when the published ledgers agree."""
     best: tuple[int, list[str]] | None = None
     for group, ranks in {c.group: c.ranks for s in states.values() for c in s.calls}.items():
         members = [r for r in ranks if r in states]
         seqs = {r: states[r].on_group(group) for r in members}
         for k in range(max(len(s) for s in seqs.values())):
             at = {r: seqs[r][k] if k < len(seqs[r]) else None for r in members}
-            if len({(c.op, c.site) if c else None for c in at.values()}) > 1:
-                first = min(c.number for c in at.values() if c)
-                if best is None or first < best[0]:
-                    best = (first, [f"  rank {r}: " + (c.text() if c else f"no call #{k + 1} on that group (it "
-                                                       f"issued {len(seqs[r])} there in step {states[r].step})")
-                                    for r, c in at.items()])
-                break
+            if len({(c.op, c.site) if c else None for c in at.values()}) == 1:
+                continue
+            first = min(c.number for c in at.values() if c)
+            if best is None or first < best[0]:
+                best = (first, [f"  rank {r}: {c.text()}" if c else f"  rank {r}: {absent(states[r], first, seqs[r])}"
+                                for r, c in at.items()])
+            break
     return best[1] if best else []
+
+
+def absent(state: RankState, number: int, on_group: list[LedgerCall]) -> str:
+    own = state.calls[number - 1].text() if number <= len(state.calls) else f"no call #{number} in the step"
+    group = f"{on_group[0].group_desc} " if on_group else ""
+    return f"{own} (it issued only {len(on_group)} calls on that {group}group in step {state.step})"
 
 
 def blocked_divergence(states: dict[int, RankState]) -> list[str] | None:
@@ -241,7 +265,7 @@ def blocked_divergence(states: dict[int, RankState]) -> list[str] | None:
     lines += ["exgrpo-train: the first collective that differs between the ranks:", *first_difference(states)]
     who = f"ranks {sorted(cycle)} wait for each other in different collectives" if cycle else \
         "ranks issued different collectives at the same position of a process group"
-    return [f"rank {min(states)}..{max(states)}: the collective ledger found that {who} in step {step}", *lines]
+    return [f"the collective ledger found that {who} in step {step}", *lines]
 
 
 def mismatch_of_ops(states: dict[int, RankState]) -> bool:
@@ -276,31 +300,3 @@ def find_cycle(waits: dict[int, list[int]]) -> list[int] | None:
             path.append(q)
             seen.add(q)
     return None
-
-
-def check_step(step: int) -> None:
-    """The run loop's step-boundary comparison (nothing when the ledger is off). Stops the run on a divergence."""
-    from exgrpo_megatron.distributed.collective_watch import InFlight, active
-
-    watch = active()
-    if watch is None or watch.ledger is None or watch.store is None:
-        return
-    ledger, me = watch.ledger, threading.get_ident()
-    ledger.blocked = -1
-    flight = InFlight("end-of-step ledger check", None, time.monotonic(), None)
-    watch.in_flight[me] = flight
-    try:
-        found = ledger.check_step(watch.store, step)
-    finally:
-        watch.in_flight.pop(me, None)
-        ledger.call_finished()
-    if found:
-        watch.stop_run(found[0], flight, found[1:])
-
-
-def begin_step(step: int) -> None:
-    from exgrpo_megatron.distributed.collective_watch import active
-
-    watch = active()
-    if watch is not None and watch.ledger is not None:
-        watch.ledger.begin_step(step)

@@ -11,7 +11,8 @@ thread looks every half second:
   all its threads, and exits EXIT_COLLECTIVE_FAILED (5);
 * a collective in flight for a second or more while another rank has announced a stop: this rank prints the same
   (the peer's reason included) and exits 5 too, so each rank stuck in a collective leaves its stacks;
-* the debug ledger (`parallel.collective_ledger`, collective_ledger.py) gets its look after a short wait.
+* the debug ledger (`parallel.collective_ledger`, collective_ledger.py) gets its look after a short wait; the run
+  loop calls `begin_step` and `check_step` (the ledger's step-boundary comparison) around each step.
 
 Before exiting a rank waits (at most `grace_s`) until every rank has said in the store that it printed, so that
 rank 0, which hosts the store, does not take it away from the others. The exit is `os._exit`: helper processes die
@@ -37,12 +38,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from exgrpo_megatron.distributed.collective_ledger import CollectiveLedger, LedgerCall
+from exgrpo_megatron.distributed.collective_ledger import CollectiveLedger, LedgerCall, describe_group
 
 EXIT_COLLECTIVE_FAILED = 5  # a collective timed out, or the ledger found ranks issuing different collectives
 PROCESS_GROUP_GRACE_S = 60.0  # the process groups' timeout is the watchdog's plus this (runtime.py)
@@ -61,21 +61,6 @@ class InFlight:
     group: Any  # the ProcessGroup (None: the default one)
     started: float  # time.monotonic()
     call: LedgerCall | None  # the ledger's record of it (ledger on)
-
-
-def group_ranks(group: Any) -> list[int]:
-    g = group if group is not None else dist.group.WORLD
-    return list(dist.get_process_group_ranks(g))
-
-
-def group_label(group: Any) -> str:
-    """megatron's description of a process group (EXPERT_MODEL_PARALLEL_GROUP, ...), else torch's name for it."""
-    g = group if group is not None else dist.group.WORLD
-    return g.group_desc if g.group_desc not in ("", "undefined") else f"group {g.group_name}"
-
-
-def describe_group(group: Any) -> str:
-    return f"{group_label(group)} {group_ranks(group)}"
 
 
 def thread_stacks() -> str:
@@ -129,7 +114,7 @@ class CollectiveWatch:
             finally:
                 done = self.in_flight.pop(me, None)
                 if done is not None and self.ledger is not None:
-                    self.ledger.call_finished()
+                    self.ledger.call_finished(self.store)
 
         collective.__wrapped_collective__ = fn  # type: ignore[attr-defined]
         return collective
@@ -179,8 +164,9 @@ class CollectiveWatch:
         if self.store is None or age < PEER_CHECK_S:
             return
         if self.store.check(["abort"]):
+            peer = self.store.get("abort").decode().splitlines()
             self.stop_run(f"rank {self.rank}: stopping in {self.describe(flight)} ({age:.1f} s in it) because "
-                          f"{self.store.get('abort').decode()}", flight)
+                          f"{peer[0]}", flight, peer[1:])
         if self.ledger is not None:
             found = self.ledger.look_while_blocked(self.store, age)
             if found:
@@ -196,7 +182,7 @@ class CollectiveWatch:
         self.stopping.set()
         try:
             if self.store is not None:
-                self.store.compare_set("abort", "", reason)  # the first rank's reason stays
+                self.store.compare_set("abort", "", "\n".join([reason, *details]))  # the first rank's stays
             lines = [f"exgrpo-train: {reason}; stopping the run with exit status {EXIT_COLLECTIVE_FAILED}.",
                      *details]
             if flight is not None and flight.call is not None and not details and self.ledger is not None:
@@ -211,6 +197,8 @@ class CollectiveWatch:
                 deadline = time.monotonic() + self.grace_s
                 while time.monotonic() < deadline and not self.store.check(keys):
                     time.sleep(0.1)
+                if self.rank == 0:  # it hosts the store: the others' last look at it comes first
+                    time.sleep(1.0)
         except Exception as exc:  # noqa: BLE001 - the store's host (rank 0) may be gone already
             print(f"exgrpo-train: rank {self.rank}: ({type(exc).__name__} from the store while stopping)",
                   file=sys.stderr, flush=True)
@@ -244,8 +232,6 @@ def install(timeout_s: float, rank: int, world_size: int, master_addr: str, mast
     global _active
     if _active is not None:
         return _active
-    from exgrpo_megatron.distributed.collective_ledger import CollectiveLedger
-
     store = store_client(master_addr, master_port, timeout_s) if world_size > 1 else None
     book = CollectiveLedger(rank, world_size) if ledger else None
     _active = CollectiveWatch(timeout_s, rank, world_size, store, book).install()
@@ -257,3 +243,27 @@ def uninstall() -> None:
     if _active is not None:
         _active.uninstall()
         _active = None
+
+
+def check_step(step: int) -> None:
+    """The run loop's step-boundary comparison (nothing when the ledger is off). Stops the run on a divergence."""
+    watch = active()
+    if watch is None or watch.ledger is None or watch.store is None:
+        return
+    ledger, me = watch.ledger, threading.get_ident()
+    ledger.blocked = -1
+    flight = InFlight("end-of-step ledger check", None, time.monotonic(), None)
+    watch.in_flight[me] = flight
+    try:
+        found = ledger.check_step(watch.store, step)
+    finally:
+        watch.in_flight.pop(me, None)
+        ledger.call_finished(watch.store)
+    if found:
+        watch.stop_run(found[0], flight, found[1:])
+
+
+def begin_step(step: int) -> None:
+    watch = active()
+    if watch is not None and watch.ledger is not None:
+        watch.ledger.begin_step(step)

@@ -118,7 +118,7 @@ def init_distributed(
             context_parallel_size=context_parallel_size,
             expert_model_parallel_size=expert_model_parallel_size,
             expert_tensor_parallel_size=expert_tensor_parallel_size,
-            distributed_timeout_minutes=timeout_minutes,  # type: ignore[arg-type]  # megatron: timedelta(minutes=)
+            distributed_timeout_minutes=timeout_minutes,  # megatron: timedelta(minutes=...), a float is exact
         )
     if collective_timeout_s is not None:  # after megatron's import-time aliases of the collectives exist
         collective_watch.install(collective_timeout_s, dist.get_rank(), dist.get_world_size(),
