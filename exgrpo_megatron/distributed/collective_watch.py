@@ -116,7 +116,6 @@ class CollectiveWatch:
                 if done is not None and self.ledger is not None:
                     self.ledger.call_finished(self.store)
 
-        collective.__wrapped_collective__ = fn  # type: ignore[attr-defined]
         return collective
 
     def install(self) -> CollectiveWatch:
@@ -127,7 +126,10 @@ class CollectiveWatch:
                 if callable(value) and id(value) in wrapped:
                     self._patched.append((module, attr, value))
                     setattr(module, attr, wrapped[id(value)])
-        faulthandler.enable(file=sys.stderr, all_threads=True)
+        try:  # NCCL's watchdog aborts a hung process: the fault handler prints every thread's stack then
+            faulthandler.enable(file=sys.stderr, all_threads=True)
+        except (OSError, ValueError):  # a stderr without a file descriptor (captured)
+            pass
         self._thread = threading.Thread(target=self._watch, name="collective-watchdog", daemon=True)
         self._thread.start()
         return self
