@@ -25,6 +25,7 @@ from exgrpo_megatron.algo.protocol import GradedResponse, RLAlgorithm
 from exgrpo_megatron.components import Components, build_components
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import QuestionGroup, compose_step, local_groups
+from exgrpo_megatron.distributed import collective_watch
 from exgrpo_megatron.distributed.preemption import PreemptionHandler
 from exgrpo_megatron.distributed.runtime import init_distributed
 from exgrpo_megatron.experience.phase import Phase, solved_fraction
@@ -278,7 +279,8 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
     layout = init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                               p.virtual_pipeline_model_parallel_size, p.context_parallel_size, seed=cfg.seed,
                               expert_model_parallel_size=p.expert_model_parallel_size,
-                              expert_tensor_parallel_size=p.expert_tensor_parallel_size)
+                              expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+                              collective_timeout_s=p.collective_timeout_s, collective_ledger=p.collective_ledger)
     watching.distributed(layout)
     if layout.rank == 0:
         print(startup_block(cfg, layout), flush=True)
@@ -294,9 +296,11 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
     try:
         for step in range(state.step + 1, cfg.trainer.total_steps + 1):
             c.observers.begin(step)
+            collective_watch.begin_step(step)
             metrics = train_step(c, state, step)
             if cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
                 metrics.update(state.validate(step))
+            collective_watch.check_step(step)  # parallel.collective_ledger: the ranks issued the same collectives
             state.finish_step(step, metrics)
             c.observers.step_finished(metrics)
             if state.consecutive_skips >= cfg.algo.max_consecutive_skips:

@@ -82,6 +82,7 @@ DOMAINS: dict[str, Domain] = {
     "parallel.virtual_pipeline_model_parallel_size": Domain(lo=1, none_ok=True),
     "parallel.context_parallel_size": AT_LEAST_1,
     "parallel.expert_model_parallel_size": AT_LEAST_1, "parallel.expert_tensor_parallel_size": AT_LEAST_1,
+    "parallel.collective_timeout_s": AT_LEAST_1,  # seconds one collective may wait (collective_watch.py)
     # optim
     "optim.lr": NON_NEGATIVE, "optim.min_lr": NON_NEGATIVE, "optim.lr_warmup_steps": NON_NEGATIVE,
     "optim.weight_decay": NON_NEGATIVE, "optim.adam_beta1": Domain(lo=0, hi=1, hi_open=True),

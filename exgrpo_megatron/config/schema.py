@@ -60,6 +60,8 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     expert_model_parallel_size: int = 1  # EP: the experts split over this many ranks (MoE models)
     expert_tensor_parallel_size: int = 1  # ETP: each expert's weights split over this many ranks (MoE models)
+    collective_timeout_s: float = 600.0  # a collective waiting longer ends the run, exit 5 (collective_watch.py)
+    collective_ledger: bool = False  # debug: ranks compare the collectives they issue (collective_ledger.py)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from exgrpo_megatron.config.validate import ConfigError
-from exgrpo_megatron.distributed import cpu_shims, lifetime
+from exgrpo_megatron.distributed import collective_watch, cpu_shims, lifetime
 from exgrpo_megatron.distributed.launch_env import LaunchEnv, launch_env
 
 
@@ -70,19 +70,27 @@ def init_distributed(
     context_parallel_size: int = 1,
     seed: int = 1234,
     env: LaunchEnv | None = None,
-    timeout_minutes: int = 30,
+    timeout_minutes: float = 30,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int = 1,
+    collective_timeout_s: float | None = None,
+    collective_ledger: bool = False,
 ) -> ParallelLayout:
     """Initialise the default process group and megatron's TP/PP/DP groups; idempotent. MoE models: the experts'
     own grid, PP x ETP x EP x expert-DP over the same ranks (EP taken from the dense DP x CP ranks). From here on
-    every child this process forks (megatron's checkpoint writers) dies with it (distributed/lifetime.py)."""
+    every child this process forks (megatron's checkpoint writers) dies with it (distributed/lifetime.py).
+    `collective_timeout_s` (parallel.collective_timeout_s): a collective that lasts longer ends the run with exit 5
+    and the stacks of every stuck rank (collective_watch.py); the process groups time out PROCESS_GROUP_GRACE_S later.
+    Without it the process groups wait `timeout_minutes` and nothing is watched. `collective_ledger`: the debug
+    ledger of collectives (collective_ledger.py)."""
     cpu_shims.apply()
     lifetime.install_fork_hooks()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     env = env or launch_env()
+    if collective_timeout_s is not None:
+        timeout_minutes = (collective_timeout_s + collective_watch.PROCESS_GROUP_GRACE_S) / 60
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
@@ -110,7 +118,11 @@ def init_distributed(
             context_parallel_size=context_parallel_size,
             expert_model_parallel_size=expert_model_parallel_size,
             expert_tensor_parallel_size=expert_tensor_parallel_size,
+            distributed_timeout_minutes=timeout_minutes,  # megatron: timedelta(minutes=...), a float is exact
         )
+    if collective_timeout_s is not None:  # after megatron's import-time aliases of the collectives exist
+        collective_watch.install(collective_timeout_s, dist.get_rank(), dist.get_world_size(),
+                                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ledger=collective_ledger)
     # Same data-independent seed on all ranks of a replica; megatron forks per-TP-rank streams.
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -147,6 +159,7 @@ def current_layout() -> ParallelLayout:
 def destroy_distributed() -> None:
     from megatron.core import parallel_state as ps
 
+    collective_watch.uninstall()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():
