@@ -16,7 +16,8 @@ from exgrpo_megatron.step_observer import StepObserver
 from tests.helpers.multirank import run_on_ranks
 from tests.test_trainer import _overrides
 
-LORA = ("lora.rank=4", "lora.alpha=8", "optim.lr=1e-2")
+LORA = ("lora.rank=4", "lora.alpha=8", "optim.lr=1e-2", "optim.adam_eps=1e-8")  # Adam steps of ~lr: visible adapters
+TOKENS = torch.tensor([[5, 17, 42, 8, 99, 3, 61, 20, 7, 33]])
 
 
 class WeightWatch(StepObserver):
@@ -27,6 +28,7 @@ class WeightWatch(StepObserver):
         self.policy: Any = None
         self.first: dict[str, torch.Tensor] = {}
         self.last: dict[str, torch.Tensor] = {}
+        self.logits = torch.empty(0)
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in named_global_params(self.policy.modules, tied_copy=False)}
@@ -41,6 +43,8 @@ class WeightWatch(StepObserver):
     def step_finished(self, step: int, metrics: dict[str, Any]) -> None:
         if step == self.last_step:
             self.last = self._snapshot()
+            with torch.no_grad():  # the adapted policy's logits of a fixed sequence (sdpa: causal without a mask)
+                self.logits = self.policy.modules[0](TOKENS, torch.arange(TOKENS.shape[1]).unsqueeze(0), None)
 
 
 def _train_watched(overrides: list[str], last_step: int) -> dict:
@@ -50,7 +54,8 @@ def _train_watched(overrides: list[str], last_step: int) -> dict:
     watch = WeightWatch(last_step)
     assert run_training(cfg, observers=[watch]) == 0
     logged = [json.loads(line) for line in (Path(cfg.logging.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {"first": watch.first, "last": watch.last, "logged": logged}
+    return {"first": watch.first, "last": watch.last, "logged": logged,
+            "logits": watch.logits[..., :cfg.model.vocab_size]}
 
 
 def test_lora_run_trains_only_the_adapters_generates_with_them_and_resumes_bitwise(tmp_path):
@@ -70,6 +75,18 @@ def test_lora_run_trains_only_the_adapters_generates_with_them_and_resumes_bitwi
     assert len(logged) == 4
     for row in logged:  # the engine runs the adapted policy: its log-probs are the trainer's
         assert 0.999 < row["mismatch/token_mult_prob_error"] < 1.001, (row["step"], row)
+
+    # the HF export merges the adapters: transformers computes the adapted policy's logits
+    from transformers import AutoModelForCausalLM
+
+    from exgrpo_megatron.convert.megatron_to_hf import convert_megatron_to_hf
+
+    convert_megatron_to_hf(str(tmp_path / "a" / "checkpoints"), str(tmp_path / "hf"), dtype="fp32", progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_logits = hf(TOKENS).logits
+    gap = (hf_logits - straight["logits"]).abs().max()
+    assert gap < 1e-4, gap  # without the merge: 0.5
 
     # stopped after the step-2 checkpoint, then resumed to step 4: the same steps, the same adapters
     resumed_dir = str(tmp_path / "b")
