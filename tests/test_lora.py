@@ -168,3 +168,42 @@ def test_invalid_lora_settings_name_the_key(override, key):
     errors = all_errors(load_config("demo_cpu", override), world_size=2, check_paths=False)
     assert any(e.startswith(f"{key}:") for e in errors), errors
     assert not all_errors(load_config("demo_cpu", LORA), world_size=1, check_paths=False)
+
+
+def _weights_round_trip(overrides: list[str], save_to: str | None, load_from: str | None) -> dict:
+    """Save this layout's policy (B drawn non-zero) as weights-only, or load one saved at another layout."""
+    from exgrpo_megatron.checkpoint import model_config_to_yaml
+    from exgrpo_megatron.checkpoint.weights import save_model_weights
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.policy.policy import Policy
+
+    cfg = load_config("demo_cpu", ["model.params_dtype=fp32", "trainer.total_steps=1", *LORA, *overrides])
+    p = cfg.parallel
+    init_distributed(p.tensor_model_parallel_size, 1, seed=cfg.seed,
+                     expert_model_parallel_size=p.expert_model_parallel_size)
+    policy = Policy(cfg)
+    if save_to is not None:
+        full = full_tensors(policy.modules, "data")
+        g = torch.Generator().manual_seed(5)
+        for name in sorted(full):
+            if name.endswith("lora_b"):
+                full[name] = torch.randn(full[name].shape, generator=g)
+        load_full_tensors(policy.modules, full)
+        save_model_weights(save_to, policy.modules, model_config_yaml=model_config_to_yaml(cfg.model))
+    if load_from is not None:
+        policy.load_weights(load_from)
+    return full_tensors(policy.modules, "data")
+
+
+@pytest.mark.parametrize("model, layout, experts", [
+    ("tiny_qwen2", "parallel.tensor_model_parallel_size=2", False),  # B / A split over TP, fc1's stride 2
+    ("tiny_qwen3_moe", "parallel.expert_model_parallel_size=2", True),  # the experts' adapters over EP
+])
+def test_adapters_saved_at_two_ranks_load_at_one(tmp_path, model, layout, experts):
+    overrides = [f"model={model}", f"lora.experts={str(experts).lower()}"]
+    saved = run_on_ranks(_weights_round_trip, 2, args=([*overrides, layout], str(tmp_path / "w"), None))[0]
+    loaded = run_on_ranks(_weights_round_trip, 1, args=(overrides, None, str(tmp_path / "w")))[0]
+    assert set(saved) == set(loaded)
+    assert any(".experts." in n and is_adapter(n) for n in saved) == experts
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
