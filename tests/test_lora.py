@@ -207,3 +207,26 @@ def test_adapters_saved_at_two_ranks_load_at_one(tmp_path, model, layout, expert
     assert any(".experts." in n and is_adapter(n) for n in saved) == experts
     for name, tensor in saved.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def test_vllm_with_lora_exits_2_naming_the_key():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_megatron.train", "--config-name", "demo_cpu", "lora.rank=8",
+                           "rollout.engine=vllm", "model.hf_path=/nonexistent"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "rollout.engine: vllm with lora.rank > 0" in proc.stderr
+
+
+def test_startup_block_names_the_adapters_only_when_on():
+    from exgrpo_megatron.distributed.runtime import ParallelLayout
+    from exgrpo_megatron.logging.startup import startup_block
+
+    layout = ParallelLayout(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1,
+                            device=torch.device("cpu"))
+    on = startup_block(load_config("demo_cpu", [*LORA, "lora.targets=[linear_qkv]"]), layout).splitlines()
+    assert on[-1] == ("exgrpo-train: LoRA rank 4, alpha 16 on linear_qkv: the base weights are frozen, only the "
+                      "adapters train")
+    assert "LoRA" not in startup_block(load_config("demo_cpu", []), layout)
