@@ -90,7 +90,7 @@ def test_adapted_linears_match_a_float64_reference(tp):
         assert cases["row"]["a_split"] == TPSplit(1, 1) and cases["row"]["b_split"] is None
 
 
-def _policy_step(tp: int, init: dict | None) -> dict:
+def _policy_step(tp: int, init: dict | None, distributed_optimizer: bool = False) -> dict:
     """One forward/backward + optimizer step of the tiny policy with adapters; B is drawn non-zero (at init it is
     0, which would hide a wrongly sharded B and A's gradient) on the TP=1 run and loaded by the others."""
     from megatron.core import parallel_state as ps
@@ -101,7 +101,8 @@ def _policy_step(tp: int, init: dict | None) -> dict:
 
     cfg = load_config("demo_cpu", ["model=tiny_qwen2", "model.params_dtype=fp32", "optim.lr=0.01",
                                    "optim.adam_eps=1e-3", "trainer.total_steps=1", *LORA,
-                                   f"parallel.tensor_model_parallel_size={tp}"])
+                                   f"parallel.tensor_model_parallel_size={tp}",
+                                   f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}"])
     init_distributed(tp, 1, seed=cfg.seed)
     policy = Policy(cfg)
     if init is None:
@@ -126,8 +127,12 @@ def _policy_step(tp: int, init: dict | None) -> dict:
     grads = full_tensors(policy.modules, "grad", trainable_only=True)
     result = policy.optimizer_step(skip_grad_bound=1e9)
     inner = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
-    optimized = {id(p) for o in inner for group in o.optimizer.param_groups for p in group["params"]}
-    with_state = {id(p) for o in inner for p in o.optimizer.state}
+    if distributed_optimizer:  # it steps fp32 shards of the adapters' buffer, not the parameters themselves
+        buffers = [b for c in policy.chunks for b in c.buffers]
+        optimized = with_state = {id(p) for b in buffers for p in b.params}
+    else:
+        optimized = {id(p) for o in inner for group in o.optimizer.param_groups for p in group["params"]}
+        with_state = {id(p) for o in inner for p in o.optimizer.state}
     return {"init": init, "loss": float(loss), "grads": grads, "weights": full_tensors(policy.modules, "data"),
             "grad_norm": result.grad_norm, "rows": len(mine),
             "frozen_have_grad_buffer": any(hasattr(p, "main_grad") or p.requires_grad for p in frozen),
@@ -140,11 +145,14 @@ def test_tp2_and_dp2_with_adapters_equal_tp1_and_only_adapters_train():
     assert ref["grads"] and all(is_adapter(k) for k in ref["grads"])
     for name, w in ref["weights"].items():  # the step moved every adapter and no base weight, bit for bit
         assert torch.equal(w, ref["init"][name]) != is_adapter(name), name
-    for tp in (2, 1):  # (1) on 2 ranks = DP=2
-        for got in run_on_ranks(_policy_step, 2, args=(tp, ref["init"])):
+    # TP=2; DP=2; DP=2 with the distributed optimizer (each rank steps half of the adapters)
+    for tp, distributed_optimizer in ((2, False), (1, False), (1, True)):
+        for got in run_on_ranks(_policy_step, 2, args=(tp, ref["init"], distributed_optimizer)):
             assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (tp, got["loss"], ref["loss"])
             assert set(got["grads"]) == set(ref["grads"])
             for k, rg in ref["grads"].items():
+                if distributed_optimizer:  # reduce-scattered: each rank's buffer holds the sum of its shard only
+                    break
                 err = (got["grads"][k] - rg).abs().max() / rg.abs().max().clamp_min(1e-12)
                 assert err <= 1e-5, (tp, k, float(err))
             for k, rw in ref["weights"].items():
