@@ -1,6 +1,6 @@
-"""LoRA adapters (model/lora.py): the adapted linears against a float64 reference at TP=1 and TP=2; a tiny policy with
-adapters at TP=2 and DP=2 (unequal data per rank) against TP=1 in fp32, its base weights frozen (no gradient buffer,
-no optimizer state, bitwise unchanged by a step); start-up refusals."""
+"""LoRA adapters (model/lora.py): the adapted linears against a float64 reference at TP=1 and TP=2; a tiny policy
+with adapters at TP=2, PP=2 and DP=2 (unequal data per rank) against TP=1 in fp32, its base weights frozen (no
+gradient buffer, no optimizer state, bitwise unchanged by a step); checkpoints across layouts; start-up refusals."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_adapted_linears_match_a_float64_reference(tp):
         assert cases["row"]["a_split"] == TPSplit(1, 1) and cases["row"]["b_split"] is None
 
 
-def _policy_step(tp: int, init: dict | None, distributed_optimizer: bool = False) -> dict:
+def _policy_step(tp: int, init: dict | None, distributed_optimizer: bool = False, pp: int = 1) -> dict:
     """One forward/backward + optimizer step of the tiny policy with adapters; B is drawn non-zero (at init it is
     0, which would hide a wrongly sharded B and A's gradient) on the TP=1 run and loaded by the others."""
     from megatron.core import parallel_state as ps
@@ -102,8 +102,9 @@ def _policy_step(tp: int, init: dict | None, distributed_optimizer: bool = False
     cfg = load_config("demo_cpu", ["model=tiny_qwen2", "model.params_dtype=fp32", "optim.lr=0.01",
                                    "optim.adam_eps=1e-3", "trainer.total_steps=1", *LORA,
                                    f"parallel.tensor_model_parallel_size={tp}",
+                                   f"parallel.pipeline_model_parallel_size={pp}",
                                    f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}"])
-    init_distributed(tp, 1, seed=cfg.seed)
+    init_distributed(tp, pp, seed=cfg.seed)
     policy = Policy(cfg)
     if init is None:
         init = full_tensors(policy.modules, "data")
@@ -139,15 +140,15 @@ def _policy_step(tp: int, init: dict | None, distributed_optimizer: bool = False
             "optimizer_params_are_adapters": optimized == {id(p) for p in adapters} == with_state}
 
 
-def test_tp2_and_dp2_with_adapters_equal_tp1_and_only_adapters_train():
+def test_tp2_dp2_and_pp2_with_adapters_equal_tp1_and_only_adapters_train():
     ref = run_on_ranks(_policy_step, 1, args=(1, None))[0]
     assert not ref["frozen_have_grad_buffer"] and ref["optimizer_params_are_adapters"]
     assert ref["grads"] and all(is_adapter(k) for k in ref["grads"])
     for name, w in ref["weights"].items():  # the step moved every adapter and no base weight, bit for bit
         assert torch.equal(w, ref["init"][name]) != is_adapter(name), name
-    # TP=2; DP=2; DP=2 with the distributed optimizer (each rank steps half of the adapters)
-    for tp, distributed_optimizer in ((2, False), (1, False), (1, True)):
-        for got in run_on_ranks(_policy_step, 2, args=(tp, ref["init"], distributed_optimizer)):
+    # TP=2; DP=2; DP=2 with the distributed optimizer (each rank steps half of the adapters); PP=2
+    for tp, distributed_optimizer, pp in ((2, False, 1), (1, False, 1), (1, True, 1), (1, False, 2)):
+        for got in run_on_ranks(_policy_step, 2, args=(tp, ref["init"], distributed_optimizer, pp)):
             assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (tp, got["loss"], ref["loss"])
             assert set(got["grads"]) == set(ref["grads"])
             for k, rg in ref["grads"].items():
