@@ -90,7 +90,8 @@ def test_adapted_linears_match_a_float64_reference(tp):
         assert cases["row"]["a_split"] == TPSplit(1, 1) and cases["row"]["b_split"] is None
 
 
-def _policy_step(tp: int, init: dict | None, distributed_optimizer: bool = False, pp: int = 1) -> dict:
+def _policy_step(tp: int, init: dict | None, distributed_optimizer: bool = False, pp: int = 1,
+                 extra: tuple[str, ...] = ("model=tiny_qwen2",)) -> dict:
     """One forward/backward + optimizer step of the tiny policy with adapters; B is drawn non-zero (at init it is
     0, which would hide a wrongly sharded B and A's gradient) on the TP=1 run and loaded by the others."""
     from megatron.core import parallel_state as ps
@@ -99,12 +100,12 @@ def _policy_step(tp: int, init: dict | None, distributed_optimizer: bool = False
     from exgrpo_megatron.policy.batch import collate, plan_micro_batches
     from exgrpo_megatron.policy.policy import Policy
 
-    cfg = load_config("demo_cpu", ["model=tiny_qwen2", "model.params_dtype=fp32", "optim.lr=0.01",
+    cfg = load_config("demo_cpu", [*extra, "model.params_dtype=fp32", "optim.lr=0.01",
                                    "optim.adam_eps=1e-3", "trainer.total_steps=1", *LORA,
                                    f"parallel.tensor_model_parallel_size={tp}",
                                    f"parallel.pipeline_model_parallel_size={pp}",
                                    f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}"])
-    init_distributed(tp, pp, seed=cfg.seed)
+    init_distributed(tp, pp, seed=cfg.seed, expert_model_parallel_size=cfg.parallel.expert_model_parallel_size)
     policy = Policy(cfg)
     if init is None:
         init = full_tensors(policy.modules, "data")
@@ -161,6 +162,21 @@ def test_tp2_dp2_and_pp2_with_adapters_equal_tp1_and_only_adapters_train():
             assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"]
             assert not got["frozen_have_grad_buffer"] and got["optimizer_params_are_adapters"]
     assert ref["rows"] == 4
+
+
+def test_ep2_with_adapters_on_the_experts_equals_ep1():
+    moe = ("model=tiny_qwen3_moe", "lora.experts=true")
+    ref = run_on_ranks(_policy_step, 1, kwargs={"tp": 1, "init": None, "extra": moe})[0]
+    assert any(".experts." in k for k in ref["grads"]) and not ref["frozen_have_grad_buffer"]
+    for got in run_on_ranks(_policy_step, 2, kwargs={"tp": 1, "init": ref["init"],
+                                                     "extra": (*moe, "parallel.expert_model_parallel_size=2")}):
+        assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"])
+        for k, rg in ref["grads"].items():
+            err = (got["grads"][k] - rg).abs().max() / rg.abs().max().clamp_min(1e-12)
+            assert err <= 1e-5, (k, float(err))
+        for k, rw in ref["weights"].items():
+            assert torch.allclose(got["weights"][k], rw, rtol=0, atol=1e-6), k
+        assert not got["frozen_have_grad_buffer"] and got["optimizer_params_are_adapters"]
 
 
 @pytest.mark.parametrize("override, key", [
