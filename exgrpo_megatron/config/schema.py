@@ -232,7 +232,7 @@ class LoggingConfig:
 class LoraConfig:
     rank: int = 0  # r of the adapters; 0 = off (full fine-tuning)
     alpha: float = 16.0  # the update is B A x * alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input (training passes only)
+    dropout: float = 0.0  # dropout on the adapters' input while the policy is in training mode
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # linears given adapters, by name
     experts: bool = False  # MoE: the experts' linear_fc1/fc2 get adapters too (false: attention only)
     init: str = "kaiming"  # A's initialisation: kaiming (uniform, +-1/sqrt(fan_in)) | gaussian (std 1/rank); B = 0
