@@ -16,6 +16,8 @@ from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 from exgrpo_megatron.checkpoint.compat import check_padded_vocab
+from exgrpo_megatron.checkpoint.files import CheckpointFormatError
+from exgrpo_megatron.model.param_layout import is_adapter
 
 
 def unwrapped(model_chunks: list) -> list:
@@ -106,13 +108,32 @@ def save_model_and_optimizer(model_dir: Path, model_chunks: list, optimizer) -> 
 
 
 def load_model_and_optimizer(model_dir: Path, model_chunks: list, optimizer) -> None:
-    """Collective; `optimizer` None loads weights only (any extra "optimizer" key on disk is ignored)."""
+    """Collective; `optimizer` None loads weights only (any extra "optimizer" key on disk is ignored). LoRA
+    (model/lora.py): base weights without adapters load into an adapted model weights-only (the adapters keep
+    their initial values: `checkpoint.init_from` a base model); a checkpoint with adapters is refused by a model
+    without them (its weights alone are not the trained policy)."""
     from megatron.core import dist_checkpointing
 
     check_padded_vocab(checkpoint_padded_vocab(model_dir), padded_vocab(model_chunks), str(model_dir))
-    loaded = dist_checkpointing.load(sharded_state_dict(model_chunks, optimizer, is_loading=True), str(model_dir))
-    for key, module in zip(model_keys(len(model_chunks)), unwrapped(model_chunks), strict=True):
-        module.load_state_dict(loaded[key], strict=True)
+    request = sharded_state_dict(model_chunks, optimizer, is_loading=True)
+    keys = model_keys(len(model_chunks))
+    saved_adapters = any(is_adapter(k) for k in dist_checkpointing.load_tensors_metadata(str(model_dir)))
+    model_adapters = any(is_adapter(k) for key in keys for k in request[key])
+    if saved_adapters and not model_adapters:
+        raise CheckpointFormatError(f"{model_dir} holds LoRA adapters: load it with the run's lora settings "
+                                    "(a model without adapters would silently be the base model)")
+    base_only = model_adapters and not saved_adapters
+    if base_only and optimizer is not None:
+        raise CheckpointFormatError(f"{model_dir} has no LoRA adapters: a LoRA run cannot resume a full "
+                                    "fine-tuning checkpoint (start from its weights with checkpoint.init_from)")
+    if base_only:
+        for key in keys:
+            request[key] = {k: v for k, v in request[key].items() if not is_adapter(k)}
+    loaded = dist_checkpointing.load(request, str(model_dir))
+    for key, module in zip(keys, unwrapped(model_chunks), strict=True):
+        result = module.load_state_dict(loaded[key], strict=not base_only)
+        if base_only and (result.unexpected_keys or not all(is_adapter(k) for k in result.missing_keys)):
+            raise CheckpointFormatError(f"{model_dir}: keys that do not match the model: {result}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
 

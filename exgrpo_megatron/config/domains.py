@@ -135,6 +135,9 @@ DOMAINS: dict[str, Domain] = {
     "reward.num_workers": AT_LEAST_1,
     # checkpoint
     "checkpoint.save_every": AT_LEAST_1, "checkpoint.keep_last": AT_LEAST_1,
+    # lora
+    "lora.rank": NON_NEGATIVE,  # 0 = off
+    "lora.alpha": POSITIVE, "lora.dropout": Domain(lo=0, hi=1, hi_open=True),
 }
 
 # (smaller key, larger key): value(smaller) <= value(larger)

@@ -13,6 +13,10 @@ from typing import Optional
 
 from exgrpo_megatron.config.families import FAMILIES
 
+# The linears of a layer that LoRA can adapt (megatron-core's names): column-parallel qkv and MLP-in,
+# row-parallel attention output and MLP-out.
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
 
 @dataclass
 class ModelConfig:
@@ -231,6 +235,16 @@ class LoggingConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0  # r of the adapters; 0 = off (full fine-tuning)
+    alpha: float = 16.0  # the update is B A x * alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input while the policy is in training mode
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # linears given adapters, by name
+    experts: bool = False  # MoE: the experts' linear_fc1/fc2 get adapters too (false: attention only)
+    init: str = "kaiming"  # A's initialisation: kaiming (uniform, +-1/sqrt(fan_in)) | gaussian (std 1/rank); B = 0
+
+
+@dataclass
 class RootConfig:
     seed: int = 1234
     dry_run: bool = False
@@ -245,6 +259,7 @@ class RootConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # The allowed values of the string keys with a fixed set of values (the defaults above are among them).
@@ -267,6 +282,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("files", "arithmetic"),
     "data.template": ("own", "chat", "llama_base", "plain", "chat_direct"),
     "data.tokenizer": ("hf", "char"),
+    "lora.init": ("kaiming", "gaussian"),
 }
 
 _DATA = "the training prompts: the sampler's position and the pool's question ids refer to the saved data set"

@@ -19,7 +19,7 @@ from exgrpo_megatron.config.domains import domain_errors, path_errors
 from exgrpo_megatron.config.families import FAMILIES
 from exgrpo_megatron.config.moe_checks import moe_config_errors
 from exgrpo_megatron.config.pi_old_source import resolve_old_logprobs_for
-from exgrpo_megatron.config.schema import CHOICES, AlgoConfig, RootConfig
+from exgrpo_megatron.config.schema import CHOICES, LORA_TARGETS, AlgoConfig, RootConfig
 
 
 class ConfigError(ValueError):
@@ -79,6 +79,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     e.extend(vllm_config_errors(cfg))
     e.extend(_old_logprobs_errors(cfg))
     e.extend(staleness_errors(cfg))
+    e.extend(lora_errors(cfg))
 
     if t.ppo_mini_batch_size > 0 and t.train_batch_size % t.ppo_mini_batch_size:
         e.append(f"trainer.ppo_mini_batch_size: train_batch_size={t.train_batch_size} is not divisible by "
@@ -181,6 +182,32 @@ def staleness_errors(cfg: RootConfig) -> list[str]:
     if cfg.parallel.virtual_pipeline_model_parallel_size is not None:
         e.append("parallel.virtual_pipeline_model_parallel_size: rollout.max_staleness > 0 validates with the "
                  "trainer's megatron engine, which takes one model chunk per stage")
+    return e
+
+
+def lora_errors(cfg: RootConfig) -> list[str]:
+    """LoRA's targets, and what it does not support yet (model/lora.py, docs/lora.md)."""
+    lo, e = cfg.lora, list[str]()
+    unknown = [t for t in lo.targets if t not in LORA_TARGETS]
+    if unknown or len(set(lo.targets)) != len(lo.targets):
+        e.append(f"lora.targets: {list(lo.targets)}: expected distinct names from {list(LORA_TARGETS)}")
+    if lo.rank <= 0:
+        return e
+    if not lo.targets:
+        e.append(f"lora.targets: empty with lora.rank={lo.rank}: name the linears to adapt, e.g. {list(LORA_TARGETS)}")
+    if cfg.rollout.engine == "vllm":
+        e.append("rollout.engine: vllm with lora.rank > 0: the vLLM refit sends the base weights only (the merged "
+                 "W + B A alpha/r is not exported yet); use rollout.engine=megatron")
+    if cfg.rollout.max_staleness > 0:
+        e.append("rollout.max_staleness: > 0 with lora.rank > 0: the generator process's copy of the policy does not "
+                 "receive the adapters yet; use 0")
+    if cfg.model.layer_spec == "te":
+        e.append("model.layer_spec: te with lora.rank > 0: the adapters wrap the local spec's linears; use local")
+    if cfg.parallel.sequence_parallel:
+        e.append("parallel.sequence_parallel: not supported with lora.rank > 0 yet (set it false)")
+    if lo.experts and cfg.model.num_experts > 0 and cfg.parallel.expert_tensor_parallel_size > 1:
+        e.append("lora.experts: true needs parallel.expert_tensor_parallel_size=1 (sharded experts' adapters are not "
+                 "supported yet)")
     return e
 
 

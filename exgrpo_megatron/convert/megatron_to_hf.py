@@ -1,6 +1,7 @@
 """Megatron torch_dist checkpoint (ours, saved at any TP/PP/DP) -> HF directory loadable by
 `transformers.AutoModelForCausalLM.from_pretrained`. Reads the sharded checkpoint directly on CPU (no
-process group), one layer at a time; vocabulary padding is trimmed.
+process group), one layer at a time; vocabulary padding is trimmed. A LoRA run's adapters are merged into their
+weights (W + B A alpha / rank, in fp32), so the HF model is the adapted policy.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from exgrpo_megatron.convert.hf_tokenizer import (
     save_char_tokenizer,
     special_token_ids,
 )
-from exgrpo_megatron.model.param_layout import VOCAB_PARALLEL, split_layer_name
+from exgrpo_megatron.model.param_layout import ADAPTER_SUFFIXES, VOCAB_PARALLEL, is_adapter, split_layer_name
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 LATEST_FILE = "latest"
@@ -74,6 +75,31 @@ def check_shapes(reader: DistCheckpointReader, cfg: ModelConfig) -> None:
             raise ValueError(f"{key}: stored shape {stored} incompatible with model_config (expected {expected})")
 
 
+def adapter_scale(reader: DistCheckpointReader, model_dir: str) -> float:
+    """LoRA's alpha / rank when the checkpoint holds adapters (model/lora.py; read from the run config the trainer
+    checkpoint carries), else 0."""
+    if not any(is_adapter(k) for k in reader.metadata.state_dict_metadata if not k.startswith("optimizer")):
+        return 0.0
+    run_config = os.path.join(os.path.dirname(model_dir), RUN_CONFIG_FILE)
+    if not os.path.isfile(run_config):
+        raise FileNotFoundError(f"{model_dir} holds LoRA adapters but {run_config} (their alpha and rank) is missing")
+    from omegaconf import OmegaConf
+
+    lora = OmegaConf.load(run_config).lora
+    return float(lora.alpha) / int(lora.rank)
+
+
+def merge_adapters(reader: DistCheckpointReader, name: str, full: torch.Tensor, scale: float) -> torch.Tensor:
+    """The merged weight W + (B A) * alpha / rank of an adapted linear's `name` (fp32), else `full` unchanged."""
+    if not name.endswith(".weight"):
+        return full
+    stem = name[: -len("weight")]
+    if sharded_key(stem + "lora_a")[0] not in reader.metadata.state_dict_metadata:
+        return full
+    a, b = (reader.read_param(stem + f, dtype=torch.float32) for f in ADAPTER_SUFFIXES)
+    return full + (b @ a) * scale
+
+
 def _groups(cfg: ModelConfig) -> list[list[str]]:
     """Parameter names grouped so that one read fetches one layer (or one non-layer tensor)."""
     groups: dict[object, list[str]] = {}
@@ -94,6 +120,7 @@ def convert_megatron_to_hf(ckpt_path: str, out_dir: str, dtype: str = "bf16", to
     torch_dtype, dtype_name = DTYPES[dtype]
     reader = DistCheckpointReader(model_dir)
     check_shapes(reader, cfg)
+    scale = adapter_scale(reader, model_dir)
     writer = ShardedSafetensorsWriter(out_dir, int(shard_size_gb * 2**30))
     groups = _groups(cfg)
     if progress:
@@ -110,10 +137,12 @@ def convert_megatron_to_hf(ckpt_path: str, out_dir: str, dtype: str = "bf16", to
                 requests.append((key, (0,) * len(size), shape))
             else:
                 requests.append((key, index + (0,) * (len(size) - len(index)), (1,) * len(index) + size[len(index):]))
-        tensors = reader.read_regions(requests, dtype=torch_dtype)
+        tensors = reader.read_regions(requests, dtype=torch.float32 if scale else torch_dtype)
         for name, t in zip(names, tensors, strict=True):
             n_leading = len(sharded_key(name)[1])
             full = t.reshape(t.shape[n_leading:])
+            if scale:
+                full = merge_adapters(reader, name, full, scale).to(torch_dtype)
             for hf_name, hf_tensor in megatron_to_hf(name, full, cfg):
                 writer.add(hf_name, hf_tensor)
     files = writer.close()

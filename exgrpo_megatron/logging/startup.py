@@ -16,7 +16,7 @@ PREFIX = "exgrpo-train: "
 
 def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
     """A few lines: the CPU banner and precision (CPU only), run dir, parallel layout, steps and validation, the
-    algorithm and what it replays, where the rollouts come from (in the step, or generated ahead)."""
+    algorithm and what it replays, where the rollouts come from (in the step, or generated ahead), LoRA when on."""
     lines = []
     if layout.device.type == "cpu":
         m = cfg.model
@@ -31,4 +31,9 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
     replays = build_algorithm(cfg.algo, t, cfg.data.max_response_length).uses_pool
     lines += [f"algorithm {cfg.algo.name}; {replay_line(cfg, replays)}",
               *(f"note: {note}" for note in algorithm_notes(cfg.algo)), generation_line(cfg)]
+    lo = cfg.lora
+    if lo.rank > 0:
+        experts = (" (experts too)" if lo.experts else " (not the experts)") if cfg.model.num_experts else ""
+        lines.append(f"LoRA rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lo.targets)}{experts}: the base weights "
+                     "are frozen, only the adapters train")
     return "\n".join(PREFIX + line for line in lines)

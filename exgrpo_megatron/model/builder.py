@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from exgrpo_megatron.config.derived import head_dim, padded_vocab_size, resolve_params_dtype
 from exgrpo_megatron.config.families import family_of
-from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
+from exgrpo_megatron.config.schema import LoraConfig, ModelConfig, ParallelConfig
 from exgrpo_megatron.model.moe import is_moe, moe_transformer_config, per_micro_batch_router_losses
 
 ACTIVATIONS = {"silu": F.silu}  # a family's activation -> the gated MLP's function
@@ -89,21 +89,28 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
     )
 
 
-def layer_spec(cfg: ModelConfig, tcfg=None, vp_stage: int | None = None):
+def layer_spec(cfg: ModelConfig, tcfg=None, vp_stage: int | None = None, lora: LoraConfig | None = None):
     """The decoder spec: TE's layer, or megatron's local layer with our CPU submodules (`model.core_attention`,
     `model.fused_norm_rope`; the latter also replaces the final norm, so it returns the whole block's spec for
-    this pipeline stage, which needs the stage's `tcfg`)."""
+    this pipeline stage, which needs the stage's `tcfg`), and LoRA's linears when `lora.rank` > 0 (model/lora.py)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     family = family_of(cfg.family)
     moe = {"num_experts": cfg.num_experts if is_moe(cfg) else None, "qk_layernorm": family.qk_norm}
+    adapted = lora is not None and lora.rank > 0
     if resolve_layer_spec(cfg) == "te":
+        if adapted:
+            raise ValueError("lora.rank > 0 adapts the local layer spec's linears: set model.layer_spec=local")
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=cfg.moe_grouped_gemm, **moe)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=family.normalization, **moe)
     if cfg.core_attention == "sdpa":
         from exgrpo_megatron.model.sdpa_attention import SDPADotProductAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    if lora is not None and adapted:
+        from exgrpo_megatron.model.lora import add_lora_to_spec
+
+        add_lora_to_spec(spec, lora)
     if not cfg.fused_norm_rope:
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -126,8 +133,9 @@ def build_gpt_model(
     pre_process: bool | None = None,
     post_process: bool | None = None,
     vp_stage: int | None = None,
+    lora: LoraConfig | None = None,
 ):
-    """One pipeline stage of the policy on this rank (parallel state must be initialised)."""
+    """One pipeline stage of the policy on this rank (parallel state must be initialised); `lora`: its adapters."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -138,7 +146,7 @@ def build_gpt_model(
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(cfg, tcfg, vp_stage),
+        transformer_layer_spec=layer_spec(cfg, tcfg, vp_stage, lora),
         vocab_size=padded_vocab_size(
             cfg.vocab_size, cfg.make_vocab_size_divisible_by, parallel.tensor_model_parallel_size
         ),

@@ -197,7 +197,21 @@ _LAYER_SPLITS: dict[str, TPSplit | None] = {
     "mlp.router.weight": None,
     "mlp.experts.local_experts.*.linear_fc1.weight": SWIGLU,
     "mlp.experts.local_experts.*.linear_fc2.weight": ROW,
+    # LoRA adapters (model/lora.py): a column-parallel linear's B is split as its rows, a row-parallel one's A as
+    # its columns; the other factor is replicated
+    "self_attention.linear_qkv.lora_a": None, "self_attention.linear_qkv.lora_b": COLUMN,
+    "self_attention.linear_proj.lora_a": ROW, "self_attention.linear_proj.lora_b": None,
+    "mlp.linear_fc1.lora_a": None, "mlp.linear_fc1.lora_b": SWIGLU,
+    "mlp.linear_fc2.lora_a": ROW, "mlp.linear_fc2.lora_b": None,
+    "mlp.experts.local_experts.*.linear_fc1.lora_a": None, "mlp.experts.local_experts.*.linear_fc1.lora_b": SWIGLU,
+    "mlp.experts.local_experts.*.linear_fc2.lora_a": ROW, "mlp.experts.local_experts.*.linear_fc2.lora_b": None,
 }
+ADAPTER_SUFFIXES = ("lora_a", "lora_b")
+
+
+def is_adapter(name: str) -> bool:
+    """A LoRA adapter parameter (or checkpoint key) `...<linear>.lora_a` / `...<linear>.lora_b` (model/lora.py)."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_SUFFIXES
 VOCAB_PARALLEL = (EMBEDDING, OUTPUT)
 
 

@@ -67,8 +67,12 @@ class Policy:
         self.fused_output_logprobs = cfg.trainer.fused_output_logprobs
         vpp = cfg.parallel.virtual_pipeline_model_parallel_size
         stages = [None] if vpp is None else list(range(vpp))
-        self.modules = [build_gpt_model(cfg.model, cfg.parallel, vp_stage=s) for s in stages]
-        initialise(self.modules, cfg.model, cfg.seed)  # same weights at every layout
+        self.modules = [build_gpt_model(cfg.model, cfg.parallel, vp_stage=s, lora=cfg.lora) for s in stages]
+        initialise(self.modules, cfg.model, cfg.seed, cfg.lora)  # same weights at every layout
+        if cfg.lora.rank > 0:  # only the adapters train: no gradient buffer, no optimizer state for the base
+            from exgrpo_megatron.model.lora import freeze_base
+
+            freeze_base(self.modules)
         # megatron's local DotProductAttention is given the causal mask; sdpa and TE take None (causal kernel)
         self.use_mask = resolve_layer_spec(cfg.model) == "local" and cfg.model.core_attention == "megatron"
         self.tokens_run = self.padding_run = 0  # token slots through the model / of them padding, since taken

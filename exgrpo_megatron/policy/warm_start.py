@@ -66,7 +66,8 @@ def train_warm_start(cfg: RootConfig, tokenizer: Tokenizer, out_dir: Path) -> No
 
     t = cfg.trainer
     sft_cfg = replace(cfg, optim=replace(cfg.optim, lr=t.sft_warm_start_lr, lr_schedule="constant",
-                                         lr_warmup_steps=0))
+                                         lr_warmup_steps=0),
+                      lora=replace(cfg.lora, rank=0))  # the base model is trained in full; LoRA starts from it
     policy = Policy(sft_cfg)
     pairs = warm_start_examples(cfg.data.num_train_examples, cfg.seed + 1, tiers=tuple(cfg.data.arithmetic_tiers),
                                 template=cfg.data.template)

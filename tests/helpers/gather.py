@@ -29,14 +29,17 @@ def _gather_tp(t: torch.Tensor, param: torch.nn.Parameter, name: str) -> torch.T
     return tp_unshard(parts, split)
 
 
-def full_tensors(modules: list[torch.nn.Module], what: str = "data") -> dict:
+def full_tensors(modules: list[torch.nn.Module], what: str = "data", trainable_only: bool = False) -> dict:
     """`what` = "data" (weights) or "grad" (DDP main_grad). Returns {tp1_name: tensor} on every rank;
-    a tied output layer's copy of the embedding is left out."""
+    a tied output layer's copy of the embedding is left out. `trainable_only`: the parameters that require a
+    gradient (a LoRA model's adapters: frozen weights have no main_grad)."""
     from megatron.core import parallel_state as ps
 
     pp = ps.get_pipeline_model_parallel_world_size()
     local: dict[str, torch.Tensor] = {}
     for name, p in named_global_params(modules, tied_copy=False):
+        if trainable_only and not p.requires_grad:
+            continue
         t = p.main_grad if what == "grad" else p.data  # type: ignore[attr-defined]  # DDP sets main_grad
         local[name] = _gather_tp(t.detach().float(), p, name).clone()
     if ps.get_expert_model_parallel_world_size() > 1:  # each EP rank holds other experts
