@@ -20,6 +20,7 @@ from exgrpo_megatron.checkpoint import (
     REQUEUE_EXIT_CODE,
     LoadedCheckpoint,
     PreemptionHandler,
+    check_room_for_checkpoint,
     model_config_to_yaml,
     save_checkpoint,
 )
@@ -67,6 +68,7 @@ class RunState:
             state.ahead = AheadGeneration(cfg, c.layout.rank, gathers_weights=replica0, modules=c.policy.modules)
         try:
             resumed = state.resume_or_initialise()
+            check_room_for_checkpoint(cfg.logging.run_dir, c.policy.modules, state.pool_shard())  # before step 1
         except BaseException:
             state.close_generator()
             raise
@@ -110,15 +112,18 @@ class RunState:
         return {"step": self.step, "consecutive_skips": self.consecutive_skips, "generated": dict(self.generated),
                 **{name: part.state_dict() for name, part in self.stateful_parts().items()}}
 
+    def pool_shard(self) -> tuple[dict, dict] | None:
+        """This DP replica's pool as a checkpoint holds it (arrays, meta); None without a pool."""
+        pool = self.c.pool.state_dict() if self.c.pool is not None else None
+        return (pool["arrays"], pool["meta"]) if pool is not None else None
+
     def save(self, step: int) -> None:
         if step == self.last_saved:
             return
         c = self.c
-        pool = c.pool.state_dict() if c.pool is not None else None
         path = save_checkpoint(
             c.cfg.logging.run_dir, step, model_chunks=c.policy.modules, optimizer=c.policy.optimizer,
-            opt_param_scheduler=c.policy.scheduler,
-            pool_shard=(pool["arrays"], pool["meta"]) if pool is not None else None,
+            opt_param_scheduler=c.policy.scheduler, pool_shard=self.pool_shard(),
             pool_shard_index=(c.layout.dp_rank, c.layout.dp_size), trainer_state=self.trainer_state(),
             config_yaml=to_yaml(c.cfg), model_config_yaml=model_config_to_yaml(c.cfg.model),
             keep_last=c.cfg.checkpoint.keep_last)
