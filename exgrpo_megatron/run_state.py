@@ -177,6 +177,14 @@ class RunState:
         assert self.preemption is not None, "RunState.start sets it"
         return self.preemption.should_stop()
 
+    def stop_for_preemption(self, step: int) -> int:
+        """After `preempted()` said so: save `step`, say why the run stops (rank 0), return the requeue exit code."""
+        assert self.preemption is not None, "RunState.start sets it"
+        self.save(step)
+        if self.c.layout.rank == 0:
+            print(self.preemption.stop_message(step), file=sys.stderr, flush=True)
+        return self.requeue_exit_code
+
     def report_done(self) -> None:
         if self.c.layout.rank == 0:
             run_dir = self.c.cfg.logging.run_dir

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from exgrpo_megatron.distributed.launch_env import launch_env
+from exgrpo_megatron.distributed.lost_peer import lost_peer_message
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptedDuringStartup, PreemptionHandler
 
 if TYPE_CHECKING:
@@ -45,6 +47,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
+def _rank_and_world() -> tuple[int, int]:
+    env = launch_env()
+    return env.rank, env.world_size
+
+
 def main(argv: list[str] | None = None, observers: Sequence[StepObserver] = ()) -> int:
     """The entry point; `observers` receive the run's hooks (step_observer.py), as with run_training."""
     preemption = PreemptionHandler().install(startup=True)
@@ -53,7 +60,11 @@ def main(argv: list[str] | None = None, observers: Sequence[StepObserver] = ()) 
     except BaseException as exc:
         # only start-up: a failure in training after a step-boundary stop is a real failure, not a requeue
         if not preemption.interrupted_startup or isinstance(exc, SystemExit):
-            raise
+            lost_peer = None if isinstance(exc, SystemExit) else lost_peer_message(exc, *_rank_and_world())
+            if lost_peer is None:
+                raise
+            print(lost_peer, file=sys.stderr)
+            return 1
         cause = "" if isinstance(exc, PreemptedDuringStartup) else f" ({type(exc).__name__}: {exc})"
         print(f"exgrpo-train: preempted during start-up by signal {preemption.received_signal}{cause}; "
               f"exiting with {REQUEUE_EXIT_CODE} to be requeued", file=sys.stderr)

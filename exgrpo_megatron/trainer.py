@@ -305,8 +305,7 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
                       f"(grad norm non-finite or > algo.skip_grad_bound={cfg.algo.skip_grad_bound})", file=sys.stderr)
                 return 3
             if state.preempted():
-                state.save(step)
-                return state.requeue_exit_code
+                return state.stop_for_preemption(step)
             if step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.total_steps:
                 state.save(step)
         state.report_done()
