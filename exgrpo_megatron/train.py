@@ -138,6 +138,8 @@ def train_config(cfg: RootConfig, preemption: PreemptionHandler | None = None,
         return run_training(cfg, preemption, observers)
     except (EmptyDatasetError, DataFileError, ConfigError, IncompatibleCheckpointError, CheckpointFormatError) as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)
+        if lock is not None:
+            lock.release(refused=True)  # a refused start leaves no run directory or lock file behind
         return EXIT_INVALID_CONFIG
     except CheckpointSaveError as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Start-up refusals of `exgrpo-train` that depend on the machine, not the config's values:
 
+* a refused start leaves no new run directory nor lock file behind, and removes nothing that was there before;
 * a run directory on a filesystem without room for the run's first checkpoint exits 2 before step 1, naming the
   path, the space needed and the space free, and says what can help (not `checkpoint.keep_last`, which cannot make
   room for a first save). The nearly full disk is a real one: a 200 KiB tmpfs (needs root; skipped otherwise).
@@ -48,4 +49,20 @@ def test_no_room_for_the_first_checkpoint_exits_2_before_step_1(tmp_path, small_
     assert "KiB" in err and "free on the filesystem of" in err and "needs about" in err and "MiB" in err, err[-3000:]
     assert "point logging.run_dir at a filesystem with more room" in err and "keep_last" not in err
     assert "Traceback" not in err
-    assert not (run_dir / "metrics.jsonl").exists() or (run_dir / "metrics.jsonl").read_text() == ""
+    assert not run_dir.exists()  # nothing trained, nothing written
+
+
+def test_a_refused_start_leaves_no_run_directory_and_keeps_what_was_there(tmp_path):
+    empty = tmp_path / "train.parquet"
+    empty.write_bytes(b"")  # refused after the run directory's lock is taken (the data is read later)
+    new_run_dir = tmp_path / "runs" / "new" / "run"
+    done = _train(new_run_dir, str(empty))
+    assert done.returncode == 2 and "not a readable parquet file" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()  # old code: runs/new/run/run.lock, empty
+    old_run_dir = tmp_path / "old_run"
+    (old_run_dir / "checkpoints").mkdir(parents=True)
+    (old_run_dir / "notes.txt").write_text("mine\n")
+    done = _train(old_run_dir, str(empty))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert sorted(p.name for p in old_run_dir.iterdir()) == ["checkpoints", "notes.txt"]
+    assert (old_run_dir / "notes.txt").read_text() == "mine\n"
