@@ -81,6 +81,8 @@ class RunState:
         state.progress = ProgressBar(cfg.trainer.total_steps, start_step=state.step,
                                      enabled=main and cfg.logging.progress_bar)
         state.preemption = preemption.finish_startup()
+        if state.ahead is not None:
+            state.ahead.watch_preemption(preemption)
         return state
 
     def resume_or_initialise(self) -> bool:
@@ -177,12 +179,15 @@ class RunState:
         assert self.preemption is not None, "RunState.start sets it"
         return self.preemption.should_stop()
 
-    def stop_for_preemption(self, step: int) -> int:
-        """After `preempted()` said so: save `step`, say why the run stops (rank 0), return the requeue exit code."""
+    def stop_for_preemption(self, step: int, why: str = "") -> int:
+        """After `preempted()` said so (or the wait for the generator was given up on, `why`): save `step` (none
+        before the first), say why the run stops (rank 0), return the requeue exit code."""
         assert self.preemption is not None, "RunState.start sets it"
-        self.save(step)
+        if step > 0:
+            self.save(step)  # generating ahead: gives up on a stopped or late generator (ahead/schedule.py)
         if self.c.layout.rank == 0:
-            print(self.preemption.stop_message(step), file=sys.stderr, flush=True)
+            why = why or (self.ahead.failure if self.ahead is not None and self.ahead.failure else "")
+            print(self.preemption.stop_message(step, why), file=sys.stderr, flush=True)
         return self.requeue_exit_code
 
     def report_done(self) -> None:

@@ -3,6 +3,8 @@ through the real training loop (tests/trainer_resume_worker.py, the tiny run of 
 
 * a SIGTERM to the whole process group (what Slurm sends) during training: the generator ignores it, the trainer
   finishes the step, saves, and exits 75;
+* SIGTERM or SIGUSR1 to the group while the generator is stopped (the trainer waits for it): exit 75 within seconds,
+  not at the generator's deadline, with the last whole step saved and the rollouts not received marked lost;
 * the generator stopped (SIGSTOP): named as stopped once it misses its deadline (10 s here: the deadline scales
   with the measured rounds), the last whole step saved with the lost rollouts marked, exit 4;
 * the relaunch resumes, asks again for those rollouts and trains on them; its generator killed (SIGKILL): named as
@@ -22,6 +24,8 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 from exgrpo_megatron.ahead.watch import EXIT_GENERATOR_FAILED
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE
@@ -111,6 +115,29 @@ def test_a_group_sigterm_saves_and_exits_75(tmp_path):
     log = proc.log_path.read_text()
     assert code == REQUEUE_EXIT_CODE, log[-4000:]  # old code: the generator died of it, "the generator failed", 1
     assert _checkpoints(run_dir), log[-4000:]
+    assert survivors == [], survivors
+
+
+@pytest.mark.parametrize("preemption", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_group_signal_while_the_generator_is_stopped_exits_75_at_once(tmp_path, preemption):
+    run_dir, proc = _run(tmp_path, 40, "rollout.generator.deadline_min_seconds=600")  # the deadline: far away
+    pid = generator_pid(proc.log_path, proc)  # type: ignore[attr-defined]
+    wait_for_step(run_dir, proc, 2)
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(1.5)  # the trainer is now waiting for the next step's rollouts (or trains a step it has them for)
+    os.killpg(proc.pid, preemption)
+    started = time.monotonic()
+    code, survivors = finish(proc, timeout=120)  # old code: waits for the 600 s deadline, then exit 4
+    took = time.monotonic() - started
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert code == REQUEUE_EXIT_CODE, log[-4000:]
+    assert took < 30, took
+    step = _last_logged(run_dir)
+    assert _checkpoints(run_dir) == [f"step_{step:08d}"]  # the last whole step
+    assert f"exgrpo-train: preempted: {preemption.name} received (by this rank)" in log, log[-3000:]
+    assert f"saved step {step}" in log and f"(pid {pid}) is stopped" in log, log[-3000:]
+    state = json.loads((run_dir / "checkpoints" / f"step_{step:08d}" / "state" / "trainer_state.json").read_text())
+    assert None in [e["result"] for e in state["ahead"]["in_flight"]]  # what the stopped generator held
     assert survivors == [], survivors
 
 

@@ -128,11 +128,12 @@ class PreemptionHandler:
         self.stop_signal = int(flag.item()) or None
         return self.stop_signal is not None
 
-    def stop_message(self, step: int) -> str:
-        """What a run stopping for preemption says (after should_stop() and the save of `step`)."""
+    def stop_message(self, step: int, why: str = "") -> str:
+        """What a run stopping for preemption says (after should_stop() and the save of `step`; 0: none saved)."""
         signum = self.stop_signal or self.received_signal
         name = signal.Signals(signum).name if signum else "a preemption signal"
         where = "this rank" if self.received_signal == signum else "another rank"
-        return (f"exgrpo-train: preempted: {name} received (by {where}); saved step {step}, exiting with "
-                f"{REQUEUE_EXIT_CODE} to be requeued. The next launch resumes from that checkpoint "
-                "(checkpoint.resume=auto).")
+        saved = (f"saved step {step}, exiting with {REQUEUE_EXIT_CODE} to be requeued. The next launch resumes from "
+                 "that checkpoint (checkpoint.resume=auto)." if step > 0 else
+                 f"no step finished, nothing saved; exiting with {REQUEUE_EXIT_CODE} to be requeued.")
+        return f"exgrpo-train: preempted: {name} received (by {where}){f': {why}' if why else ''}; {saved}"
