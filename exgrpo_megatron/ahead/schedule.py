@@ -46,6 +46,7 @@ from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.step_plan import QuestionGroup
 from exgrpo_megatron.distributed.launch_env import free_local_port
+from exgrpo_megatron.distributed.lifetime import parent_token
 from exgrpo_megatron.distributed.preemption import PreemptionHandler
 from exgrpo_megatron.experience.types import Trajectory
 from exgrpo_megatron.rollout.refit import iter_full_param_buckets
@@ -97,7 +98,8 @@ class AheadGeneration:
         if self.main:
             port = free_local_port()
             self.process = mp.get_context("spawn").Process(
-                target=serve, args=(cfg, "127.0.0.1", port, generator_device(g.device)), name="exgrpo-generator")
+                target=serve, args=(cfg, "127.0.0.1", port, generator_device(g.device), parent_token()),
+                name="exgrpo-generator")
             self.process.start()
             print(f"exgrpo-train: generator process started (pid {self.process.pid})", file=sys.stderr, flush=True)
             # the link is made, and "ready" awaited, on the link's thread: the main thread never blocks on the
