@@ -67,8 +67,9 @@ class RunState:
             replica0 = c.layout.dp_rank == 0 and ps.get_context_parallel_rank() == 0
             state.ahead = AheadGeneration(cfg, c.layout.rank, gathers_weights=replica0, modules=c.policy.modules)
         try:
+            # before any slow start-up work (the warm start): the newest checkpoint's size covers a resumed pool
+            check_room_for_checkpoint(cfg.logging.run_dir, c.policy.modules, state.pool_shard())
             resumed = state.resume_or_initialise()
-            check_room_for_checkpoint(cfg.logging.run_dir, c.policy.modules, state.pool_shard())  # before step 1
         except BaseException:
             state.close_generator()
             raise

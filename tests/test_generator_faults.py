@@ -7,8 +7,9 @@ through the real training loop (tests/trainer_resume_worker.py, the tiny run of 
   not at the generator's deadline, with the last whole step saved and the rollouts not received marked lost;
 * the generator stopped (SIGSTOP): named as stopped once it misses its deadline (10 s here: the deadline scales
   with the measured rounds), the last whole step saved with the lost rollouts marked, exit 4;
-* the relaunch resumes, asks again for those rollouts and trains on them; its generator killed (SIGKILL): named as
-  killed by SIGKILL, the last whole step saved, exit 4.
+* the relaunch resumes, asks again for those rollouts (from the saved weights) and trains on them with importance
+  weights and a mismatch metric of that policy (staleness 0, pi_behaviour = pi_old); its generator killed (SIGKILL):
+  named as killed by SIGKILL, the last whole step saved, exit 4.
 
 After each, no process of the run's session outlives the trainer.
 
@@ -173,3 +174,12 @@ def test_a_stopped_then_a_killed_generator_are_named_and_the_relaunch_asks_again
     run_dir, log = _fail_the_generator(tmp_path, signal.SIGKILL, step + 1, "killed")  # trained on them, asked again
     assert f"at step {step}" in log and "died (killed by SIGKILL)" in log, log[-3000:]
     assert _last_logged(run_dir) > step
+    # The lost step's rollouts were generated again from the saved weights, which are also its pi_old: staleness 0,
+    # and the importance correction and the mismatch metric see the policy that generated them (pi_behaviour =
+    # pi_old up to rounding), where the steps before the failure, one update stale, did not.
+    rows = {json.loads(line)["step"]: json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
+    regenerated, stale = rows[step + 1], rows[step]
+    assert regenerated["rollout/staleness"] == 0.0 and stale["rollout/staleness"] == 1.0
+    assert abs(regenerated["mismatch/token_mult_prob_error"] - 1.0) < 1e-5, regenerated
+    assert abs(regenerated["rollout/is_weight_mean"] - 1.0) < 1e-5, regenerated
+    assert stale["mismatch/token_mult_prob_error"] > 1.0 + 1e-4, stale
