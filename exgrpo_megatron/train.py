@@ -10,7 +10,9 @@ config is composed and validated (values and the paths the run reads; a dry run 
 and only lists the path problems) before any process group exists;
 an invalid config exits with status 2 and `key: value: reason` lines, as does a data set left without
 usable rows, a run directory that is unusable or held by another trainer (distributed/run_lock.py), and a
-resume whose checkpoint does not fit the config (config/resume_changes.py, checkpoint/compat.py).
+resume whose checkpoint does not fit the config (config/resume_changes.py, checkpoint/compat.py); such a refusal
+removes the run directory it created. A rank whose peer process died mid-run exits 1 with one line saying so
+(distributed/lost_peer.py), not gloo's traceback.
 """
 
 from __future__ import annotations
