@@ -95,6 +95,7 @@ class AheadGeneration:
         self.deadline = Deadline(g.deadline_factor, g.deadline_min_seconds, g.startup_timeout_seconds)
         self.busy_since: float | None = time.monotonic()  # rank 0: when the round in progress began (None: idle)
         self.preemption: PreemptionHandler | None = None  # rank 0 watches its flag while it waits (watch_preemption)
+        self.gave_up_for_preemption = False  # rank 0: the failure is a generator not waited for after a signal
         if self.main:
             port = free_local_port()
             self.process = mp.get_context("spawn").Process(
@@ -164,8 +165,8 @@ class AheadGeneration:
             return self.restored.pop(step)
         with self.ready:
             while step not in self.results:
-                if self.failure is not None:
-                    raise GeneratorFailed(self.failure)
+                if self.failure is not None:  # also when a save gave up on it for a preemption signal (below)
+                    raise (PreemptedWhileWaiting if self.gave_up_for_preemption else GeneratorFailed)(self.failure)
                 if self.error is not None:
                     self._check_generator(step, self.error)
                 if not self.ready.wait_for(lambda: step in self.results or self.error is not None, WATCH_SECONDS):
@@ -192,6 +193,7 @@ class AheadGeneration:
         self.failure = (f"step {step}'s rollouts were awaited, and the generator process (pid {pid}) {state}: not "
                         "waiting for it (it is killed; the rollouts not received are asked for again after the "
                         "requeue)")
+        self.gave_up_for_preemption = True
         self.process.kill()
         raise PreemptedWhileWaiting(self.failure)
 
