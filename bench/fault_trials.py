@@ -32,7 +32,8 @@ results file, and a restart continues with the next trial (the reference is kept
     # the process scenarios alone, into their own file:
     .venv/bin/python bench/fault_trials.py --trials 0 --results bench/results/fault_trials_process.json \
         --scenarios trainer_killed_in_save,group_sigterm,group_sigusr1,generator_sigstop,generator_sigkill,\
-    parquet_empty,parquet_garbage,parquet_no_answer,busy_port
+    parquet_empty,parquet_garbage,parquet_no_answer,busy_port,stopped_generator_sigterm,stopped_generator_sigusr1,\
+    disk_nearly_full
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ sys.path.insert(0, str(REPO))
 from bench.process_trials import SCENARIOS as PROCESS_SCENARIOS  # noqa: E402
 from bench.reliability_trials import SCENARIOS as INPUT_SCENARIOS  # noqa: E402
 from bench.reliability_trials import run_scenarios  # noqa: E402
-from tests.helpers.multirank import free_port  # noqa: E402
+from exgrpo_megatron.distributed.launch_env import free_local_port as free_port  # noqa: E402
 from tests.helpers.rank_processes import reap, start_rank_process  # noqa: E402
 from tests.test_generate_ahead import AHEAD, _untimed  # noqa: E402
 from tests.test_trainer_resume import (  # noqa: E402

@@ -11,6 +11,11 @@ generator_sigstop        max_staleness=1: the generator stopped after step 3 -> 
                          the last whole step saved, exit 4; the relaunch asks again for the rollouts in flight and
                          finishes (every step logged once; rollouts regenerated from newer weights, so not bitwise)
 generator_sigkill        the same with the generator SIGKILLed -> named as killed by SIGKILL, exit 4, relaunch finishes
+stopped_generator_sigterm  max_staleness=1: the generator stopped after step 3, then SIGTERM / SIGUSR1 to the group ->
+stopped_generator_sigusr1  exit 75 within seconds (not at the generator's deadline) naming the stopped generator, the
+                         last whole step saved; the requeued run finishes every step (lost rollouts regenerated)
+disk_nearly_full         the run dir on a 200 KiB tmpfs (needs root) -> exit 2 before step 1 naming logging.run_dir, the
+                         space needed and free; no run directory left behind
 parquet_empty            a 0-byte / garbage / answer-column-less .parquet as data.train_files -> exit 2 naming the
 parquet_garbage          file, no checkpoint written
 parquet_no_answer
@@ -139,6 +144,66 @@ def _generator_fault(sig: signal.Signals, said: str) -> Callable:
     return scenario
 
 
+def _stopped_generator_signal(sig: signal.Signals) -> Callable:
+    def scenario(h, work: Path, data: str) -> dict:
+        name = f"stopped_generator_{sig.name.lower()}"
+        run_dir = _fresh(work / name)
+        overrides = _overrides(data, N_STEPS, extra=(*AHEAD, "rollout.generator.deadline_min_seconds=600"))
+        make_init = ("--make-init", str(run_dir / "init"))
+        proc = h.launch(run_dir, overrides, "signalled", make_init)
+        _wait_logged(h, run_dir, proc, 3)
+        found = re.search(r"generator process started \(pid (\d+)\)", _log(run_dir, "signalled"))
+        assert found, _log(run_dir, "signalled")[-2000:]
+        os.kill(int(found.group(1)), signal.SIGSTOP)
+        time.sleep(1.5)
+        os.killpg(proc.pid, sig)
+        t0 = time.perf_counter()
+        code, _at_exit, orphans = _exit_and_orphans(proc)
+        took = time.perf_counter() - t0
+        line = next((x for x in _log(run_dir, "signalled").splitlines() if "exgrpo-train: preempted:" in x), "")
+        logged = [r["step"] for r in h.metrics(run_dir)]
+        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+        code2 = h.reap(h.launch(run_dir, overrides, "requeued", make_init), RUN_TIMEOUT_S)
+        steps = [r["step"] for r in h.metrics(run_dir)]
+        complete = code2 == 0 and steps == list(range(1, N_STEPS + 1))
+        observed = (f"exit {code} {took:.0f} s after the signal; message: {line.strip()[:300]}; logged {logged}, "
+                    f"checkpoints {saved}; orphans {len(orphans)}; requeued run exit {code2}, steps logged {steps}")
+        ok = (code == 75 and took < 30 and "is stopped" in line and bool(logged) and f"step_{logged[-1]:08d}" in saved
+              and not orphans and complete)
+        return _verdict(name, f"{sig.name} to the group while the generator is stopped -> exit 75 within 30 s naming "
+                        "it, the last whole step saved, no orphan; the requeued run finishes every step", observed,
+                        ok, (complete, "every step logged once; the lost rollouts were regenerated (not bitwise)"),
+                        orphans=len(orphans), seconds_to_exit=round(took, 1))
+    return scenario
+
+
+def disk_nearly_full(h, work: Path, data: str) -> dict:
+    mount_point = _fresh(work / "disk_nearly_full")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount_point)],
+                             capture_output=True).returncode == 0
+    if not mounted:
+        return _verdict("disk_nearly_full", "exit 2 before step 1", "not run: mounting a tmpfs needs root", False,
+                        (True, "nothing started"), orphans=0)
+    try:
+        run_dir = mount_point / "run"
+        with open(work / "disk_nearly_full.log", "w") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "exgrpo_megatron.train", *_overrides(data, N_STEPS),
+                                     f"logging.run_dir={run_dir}"], cwd=REPO, stdout=log_file,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={k: v for k, v in os.environ.items() if k not in LAUNCH_KEYS})
+        code, _at_exit, orphans = _exit_and_orphans(proc)
+        log = (work / "disk_nearly_full.log").read_text(errors="replace")
+        named = f"logging.run_dir: {run_dir}" in log and "needs about" in log and "free on the filesystem" in log
+        left = run_dir.exists()
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    observed = (f"exit {code}, key, space needed and free named: {named}, traceback: {'Traceback' in log}, "
+                f"run directory left: {left}")
+    return _verdict("disk_nearly_full", "exit 2 before step 1 naming logging.run_dir, the space needed and free; "
+                    "nothing left behind", observed, code == 2 and named and "Traceback" not in log and not left,
+                    (True, "nothing started"), orphans=len(orphans))
+
+
 def _bad_parquet(kind: str) -> Callable:
     def scenario(h, work: Path, data: str) -> dict:
         import pyarrow as pa
@@ -191,4 +256,6 @@ SCENARIOS: dict[str, Callable] = {
     "generator_sigkill": _generator_fault(signal.SIGKILL, "died (killed by SIGKILL)"),
     "parquet_empty": _bad_parquet("empty"), "parquet_garbage": _bad_parquet("garbage"),
     "parquet_no_answer": _bad_parquet("no_answer"), "busy_port": busy_port,
+    "stopped_generator_sigterm": _stopped_generator_signal(signal.SIGTERM),
+    "stopped_generator_sigusr1": _stopped_generator_signal(signal.SIGUSR1), "disk_nearly_full": disk_nearly_full,
 }

@@ -20,6 +20,7 @@ from exgrpo_megatron.checkpoint import (
     REQUEUE_EXIT_CODE,
     LoadedCheckpoint,
     PreemptionHandler,
+    check_room_for_checkpoint,
     model_config_to_yaml,
     save_checkpoint,
 )
@@ -66,6 +67,8 @@ class RunState:
             replica0 = c.layout.dp_rank == 0 and ps.get_context_parallel_rank() == 0
             state.ahead = AheadGeneration(cfg, c.layout.rank, gathers_weights=replica0, modules=c.policy.modules)
         try:
+            # before any slow start-up work (the warm start): the newest checkpoint's size covers a resumed pool
+            check_room_for_checkpoint(cfg.logging.run_dir, c.policy.modules, state.pool_shard())
             resumed = state.resume_or_initialise()
         except BaseException:
             state.close_generator()
@@ -79,6 +82,8 @@ class RunState:
         state.progress = ProgressBar(cfg.trainer.total_steps, start_step=state.step,
                                      enabled=main and cfg.logging.progress_bar)
         state.preemption = preemption.finish_startup()
+        if state.ahead is not None:
+            state.ahead.watch_preemption(preemption)
         return state
 
     def resume_or_initialise(self) -> bool:
@@ -110,15 +115,18 @@ class RunState:
         return {"step": self.step, "consecutive_skips": self.consecutive_skips, "generated": dict(self.generated),
                 **{name: part.state_dict() for name, part in self.stateful_parts().items()}}
 
+    def pool_shard(self) -> tuple[dict, dict] | None:
+        """This DP replica's pool as a checkpoint holds it (arrays, meta); None without a pool."""
+        pool = self.c.pool.state_dict() if self.c.pool is not None else None
+        return (pool["arrays"], pool["meta"]) if pool is not None else None
+
     def save(self, step: int) -> None:
         if step == self.last_saved:
             return
         c = self.c
-        pool = c.pool.state_dict() if c.pool is not None else None
         path = save_checkpoint(
             c.cfg.logging.run_dir, step, model_chunks=c.policy.modules, optimizer=c.policy.optimizer,
-            opt_param_scheduler=c.policy.scheduler,
-            pool_shard=(pool["arrays"], pool["meta"]) if pool is not None else None,
+            opt_param_scheduler=c.policy.scheduler, pool_shard=self.pool_shard(),
             pool_shard_index=(c.layout.dp_rank, c.layout.dp_size), trainer_state=self.trainer_state(),
             config_yaml=to_yaml(c.cfg), model_config_yaml=model_config_to_yaml(c.cfg.model),
             keep_last=c.cfg.checkpoint.keep_last)
@@ -171,6 +179,17 @@ class RunState:
     def preempted(self) -> bool:
         assert self.preemption is not None, "RunState.start sets it"
         return self.preemption.should_stop()
+
+    def stop_for_preemption(self, step: int, why: str = "") -> int:
+        """After `preempted()` said so (or the wait for the generator was given up on, `why`): save `step` (none
+        before the first), say why the run stops (rank 0), return the requeue exit code."""
+        assert self.preemption is not None, "RunState.start sets it"
+        if step > 0:
+            self.save(step)  # generating ahead: gives up on a stopped or late generator (ahead/schedule.py)
+        if self.c.layout.rank == 0:
+            why = why or (self.ahead.failure if self.ahead is not None and self.ahead.failure else "")
+            print(self.preemption.stop_message(step, why), file=sys.stderr, flush=True)
+        return self.requeue_exit_code
 
     def report_done(self) -> None:
         if self.c.layout.rank == 0:

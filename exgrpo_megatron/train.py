@@ -10,9 +10,11 @@ config is composed and validated (values and the paths the run reads; a dry run 
 and only lists the path problems) before any process group exists;
 an invalid config exits with status 2 and `key: value: reason` lines, as does a data set left without
 usable rows, a run directory that is unusable or held by another trainer (distributed/run_lock.py), and a
-resume whose checkpoint does not fit the config (config/resume_changes.py, checkpoint/compat.py). A collective
-that waits longer than `parallel.collective_timeout_s`, or ranks that the debug ledger finds issuing different
-collectives, end the run with status 5 and each stuck rank's stacks (distributed/collective_watch.py).
+resume whose checkpoint does not fit the config (config/resume_changes.py, checkpoint/compat.py); such a refusal
+removes the run directory it created. A collective that waits longer than `parallel.collective_timeout_s`, or
+ranks that the debug ledger finds issuing different collectives, end the run with status 5 and each stuck rank's
+stacks (distributed/collective_watch.py). A rank whose peer process died mid-run exits 1 with one line saying so
+(distributed/lost_peer.py), not gloo's traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from exgrpo_megatron.distributed.launch_env import launch_env
+from exgrpo_megatron.distributed.lost_peer import lost_peer_message
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptedDuringStartup, PreemptionHandler
 
 if TYPE_CHECKING:
@@ -47,6 +51,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
+def _rank_and_world() -> tuple[int, int]:
+    env = launch_env()
+    return env.rank, env.world_size
+
+
 def main(argv: list[str] | None = None, observers: Sequence[StepObserver] = ()) -> int:
     """The entry point; `observers` receive the run's hooks (step_observer.py), as with run_training."""
     preemption = PreemptionHandler().install(startup=True)
@@ -55,7 +64,11 @@ def main(argv: list[str] | None = None, observers: Sequence[StepObserver] = ()) 
     except BaseException as exc:
         # only start-up: a failure in training after a step-boundary stop is a real failure, not a requeue
         if not preemption.interrupted_startup or isinstance(exc, SystemExit):
-            raise
+            lost_peer = None if isinstance(exc, SystemExit) else lost_peer_message(exc, *_rank_and_world())
+            if lost_peer is None:
+                raise
+            print(lost_peer, file=sys.stderr)
+            return 1
         cause = "" if isinstance(exc, PreemptedDuringStartup) else f" ({type(exc).__name__}: {exc})"
         print(f"exgrpo-train: preempted during start-up by signal {preemption.received_signal}{cause}; "
               f"exiting with {REQUEUE_EXIT_CODE} to be requeued", file=sys.stderr)
@@ -129,6 +142,8 @@ def train_config(cfg: RootConfig, preemption: PreemptionHandler | None = None,
         return run_training(cfg, preemption, observers)
     except (EmptyDatasetError, DataFileError, ConfigError, IncompatibleCheckpointError, CheckpointFormatError) as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)
+        if lock is not None:
+            lock.release(refused=True)  # a refused start leaves no run directory or lock file behind
         return EXIT_INVALID_CONFIG
     except CheckpointSaveError as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)

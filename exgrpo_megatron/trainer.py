@@ -19,7 +19,7 @@ from functools import partial
 import numpy as np
 
 from exgrpo_megatron.ahead.schedule import AheadGeneration
-from exgrpo_megatron.ahead.watch import EXIT_GENERATOR_FAILED, GeneratorFailed
+from exgrpo_megatron.ahead.watch import EXIT_GENERATOR_FAILED, GeneratorFailed, PreemptedWhileWaiting
 from exgrpo_megatron.algo.loss import global_loss_counts
 from exgrpo_megatron.algo.protocol import GradedResponse, RLAlgorithm
 from exgrpo_megatron.components import Components, build_components
@@ -309,12 +309,13 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
                       f"(grad norm non-finite or > algo.skip_grad_bound={cfg.algo.skip_grad_bound})", file=sys.stderr)
                 return 3
             if state.preempted():
-                state.save(step)
-                return state.requeue_exit_code
+                return state.stop_for_preemption(step)
             if step % cfg.checkpoint.save_every == 0 or step == cfg.trainer.total_steps:
                 state.save(step)
         state.report_done()
         return 0
+    except PreemptedWhileWaiting as exc:  # generating ahead: a signal while waiting for a stopped or late generator
+        return state.stop_for_preemption(state.step, str(exc))
     except GeneratorFailed as exc:  # generating ahead: the generator died or missed its deadline (ahead/watch.py)
         if state.step > 0:
             state.save(state.step)  # the last whole step; the in-flight plans without rollouts are asked for again

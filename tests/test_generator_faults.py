@@ -3,10 +3,13 @@ through the real training loop (tests/trainer_resume_worker.py, the tiny run of 
 
 * a SIGTERM to the whole process group (what Slurm sends) during training: the generator ignores it, the trainer
   finishes the step, saves, and exits 75;
+* SIGTERM or SIGUSR1 to the group while the generator is stopped (the trainer waits for it): exit 75 within seconds,
+  not at the generator's deadline, with the last whole step saved and the rollouts not received marked lost;
 * the generator stopped (SIGSTOP): named as stopped once it misses its deadline (10 s here: the deadline scales
   with the measured rounds), the last whole step saved with the lost rollouts marked, exit 4;
-* the relaunch resumes, asks again for those rollouts and trains on them; its generator killed (SIGKILL): named as
-  killed by SIGKILL, the last whole step saved, exit 4.
+* the relaunch resumes, asks again for those rollouts (from the saved weights) and trains on them with importance
+  weights and a mismatch metric of that policy (staleness 0, pi_behaviour = pi_old); its generator killed (SIGKILL):
+  named as killed by SIGKILL, the last whole step saved, exit 4.
 
 After each, no process of the run's session outlives the trainer.
 
@@ -22,6 +25,8 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 from exgrpo_megatron.ahead.watch import EXIT_GENERATOR_FAILED
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE
@@ -114,6 +119,31 @@ def test_a_group_sigterm_saves_and_exits_75(tmp_path):
     assert survivors == [], survivors
 
 
+@pytest.mark.parametrize(("preemption", "save_every"), [(signal.SIGTERM, 100), (signal.SIGUSR1, 1)])
+def test_a_group_signal_while_the_generator_is_stopped_exits_75_at_once(tmp_path, preemption, save_every):
+    """save_every=1: the signal may reach the trainer while a step's regular save waits for the generator."""
+    run_dir, proc = _run(tmp_path, 40, "rollout.generator.deadline_min_seconds=600",  # the deadline: far away
+                         f"checkpoint.save_every={save_every}")
+    pid = generator_pid(proc.log_path, proc)  # type: ignore[attr-defined]
+    wait_for_step(run_dir, proc, 2)
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(1.5)  # the trainer is now waiting for the next step's rollouts (or trains a step it has them for)
+    os.killpg(proc.pid, preemption)
+    started = time.monotonic()
+    code, survivors = finish(proc, timeout=120)  # old code: waits for the 600 s deadline, then exit 4
+    took = time.monotonic() - started
+    log = proc.log_path.read_text()  # type: ignore[attr-defined]
+    assert code == REQUEUE_EXIT_CODE, log[-4000:]
+    assert took < 30, took
+    step = _last_logged(run_dir)
+    assert _checkpoints(run_dir)[-1] == f"step_{step:08d}"  # the last whole step
+    assert f"exgrpo-train: preempted: {preemption.name} received (by this rank)" in log, log[-3000:]
+    assert f"saved step {step}" in log and f"(pid {pid}) is stopped" in log, log[-3000:]
+    state = json.loads((run_dir / "checkpoints" / f"step_{step:08d}" / "state" / "trainer_state.json").read_text())
+    assert None in [e["result"] for e in state["ahead"]["in_flight"]]  # what the stopped generator held
+    assert survivors == [], survivors
+
+
 def _fail_the_generator(tmp_path: Path, sig: signal.Signals, after_step: int, tag: str) -> tuple[Path, str]:
     """Launch (or relaunch) the run, signal its generator once `after_step` steps are logged, expect exit 4."""
     run_dir, proc = _run(tmp_path, 40, *FAST_DEADLINE, tag=tag)
@@ -146,3 +176,12 @@ def test_a_stopped_then_a_killed_generator_are_named_and_the_relaunch_asks_again
     run_dir, log = _fail_the_generator(tmp_path, signal.SIGKILL, step + 1, "killed")  # trained on them, asked again
     assert f"at step {step}" in log and "died (killed by SIGKILL)" in log, log[-3000:]
     assert _last_logged(run_dir) > step
+    # The lost step's rollouts were generated again from the saved weights, which are also its pi_old: staleness 0,
+    # and the importance correction and the mismatch metric see the policy that generated them (pi_behaviour =
+    # pi_old up to rounding), where the steps before the failure, one update stale, did not.
+    rows = {json.loads(line)["step"]: json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
+    regenerated, stale = rows[step + 1], rows[step]
+    assert regenerated["rollout/staleness"] == 0.0 and stale["rollout/staleness"] == 1.0
+    assert abs(regenerated["mismatch/token_mult_prob_error"] - 1.0) < 1e-5, regenerated
+    assert abs(regenerated["rollout/is_weight_mean"] - 1.0) < 1e-5, regenerated
+    assert stale["mismatch/token_mult_prob_error"] > 1.0 + 1e-4, stale

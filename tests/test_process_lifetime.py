@@ -4,7 +4,12 @@ A trainer-like process (real `acquire_run_dir`, real forks through multiprocessi
 checkpoint writers are started) is SIGKILLed while its forked child sleeps:
 
 * the run directory can be locked again at once, although the child still lives;
-* with the trainer's fork hooks installed (init_distributed installs them), the child dies with the trainer.
+* with the trainer's fork hooks installed (init_distributed installs them), the child dies with the trainer;
+* the checkpoint writers' results Manager (spawned, ignores SIGTERM / SIGUSR1), started by the real
+  `ensure_signal_proof_save_workers`, dies with its trainer killed by SIGKILL or SIGABRT -- also when the Manager's
+  own threads cannot run (it is stopped: only the kernel can end it then);
+* the grader pool's fork server and its worker die with their trainer (SIGKILL), also a worker that is stopped (it
+  cannot read the end of its pipe).
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_process_lifetime.py -x
 """
@@ -17,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from exgrpo_megatron.distributed.run_lock import LOCK_FILE, acquire_run_dir
 
@@ -31,6 +38,22 @@ if sys.argv[2] == "hooks":
 writer = mp.get_context("fork").Process(target=time.sleep, args=(120,))  # as megatron's checkpoint writer
 writer.start()
 print(writer.pid, flush=True)
+time.sleep(120)
+"""
+
+TRAINER_WITH_MANAGER = """
+import time
+from exgrpo_megatron.checkpoint import model_state
+model_state.ensure_signal_proof_save_workers()
+print(model_state._RESULTS_MANAGER._process.pid, flush=True)
+time.sleep(120)
+"""
+
+TRAINER_WITH_GRADER = """
+import multiprocessing.forkserver as fs, time
+from exgrpo_megatron.reward.grader import GraderPool
+pool = GraderPool(num_workers=1)
+print(pool._workers[0].process.pid, fs._forkserver._forkserver_pid, flush=True)
 time.sleep(120)
 """
 
@@ -118,3 +141,43 @@ def test_without_file_locks_a_recorded_holder_whose_pid_was_reused_is_stale(tmp_
     finally:
         other.kill()
         other.wait()
+
+
+@pytest.mark.parametrize("death", [signal.SIGKILL, signal.SIGABRT])
+@pytest.mark.parametrize("manager_stopped", [False, True])
+def test_the_checkpoint_results_manager_dies_with_its_trainer(death, manager_stopped):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_WITH_MANAGER], stdout=subprocess.PIPE, text=True, env=env)
+    assert trainer.stdout is not None
+    manager = int(trainer.stdout.readline())
+    try:
+        if manager_stopped:
+            os.kill(manager, signal.SIGSTOP)  # its threads cannot run (as when stuck): no polling can notice
+        trainer.send_signal(death)
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while _alive(manager) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # old code, stopped: a thread polling the parent pid, which never runs; the Manager lives on
+        assert not _alive(manager), f"the results Manager {manager} outlived its trainer ({death.name})"
+    finally:
+        _kill(manager)
+
+
+def test_the_grader_fork_server_and_a_stopped_worker_die_with_their_trainer():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_WITH_GRADER], stdout=subprocess.PIPE, text=True, env=env)
+    assert trainer.stdout is not None
+    worker, server = (int(x) for x in trainer.stdout.readline().split())
+    try:
+        os.kill(worker, signal.SIGSTOP)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while (_alive(worker) or _alive(server)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # old code: the server exits (its pipe closed), the stopped worker lives on
+        assert not _alive(server) and not _alive(worker), (server, _alive(server), worker, _alive(worker))
+    finally:
+        _kill(worker)
+        _kill(server)

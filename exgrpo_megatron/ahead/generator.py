@@ -83,13 +83,14 @@ def receive_weights(link: Link, buckets: list[WeightBucket], params: dict[str, t
         load_full_weights(params, list(unflatten(flat, metas)))
 
 
-def serve(cfg: RootConfig, host: str, port: int, device_index: int | None) -> None:
-    """The process's body: set up, announce readiness, answer requests until the trainer sends None."""
+def serve(cfg: RootConfig, host: str, port: int, device_index: int | None, trainer: tuple[int, bool]) -> None:
+    """The process's body: set up, announce readiness, answer requests until the trainer sends None. `trainer`: the
+    trainer's lifetime.parent_token()."""
     from exgrpo_megatron.distributed.lifetime import die_with_parent
     from exgrpo_megatron.reward.grader_worker import ignore_preemption_signals
 
+    die_with_parent(*trainer)  # the trainer's death takes the generator (and through it its grader) along
     ignore_preemption_signals()  # Slurm signals the whole job step: the trainer saves, then closes the link
-    die_with_parent()  # the trainer's SIGKILL takes the generator (and through it its grader) along
     link = Link(host, port, GENERATOR)  # first: a failure below closes it, and the trainer's receive raises
     g = cfg.rollout.generator
     if g.cpu_cores:

@@ -38,6 +38,7 @@ from exgrpo_megatron.ahead.watch import (
     EXIT_GENERATOR_FAILED,
     Deadline,
     GeneratorFailed,
+    PreemptedWhileWaiting,
     exit_text,
     process_state,
 )
@@ -45,6 +46,8 @@ from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.step_plan import QuestionGroup
 from exgrpo_megatron.distributed.launch_env import free_local_port
+from exgrpo_megatron.distributed.lifetime import parent_token
+from exgrpo_megatron.distributed.preemption import PreemptionHandler
 from exgrpo_megatron.experience.types import Trajectory
 from exgrpo_megatron.rollout.refit import iter_full_param_buckets
 from exgrpo_megatron.rollout.types import Sample
@@ -91,10 +94,13 @@ class AheadGeneration:
         g = cfg.rollout.generator
         self.deadline = Deadline(g.deadline_factor, g.deadline_min_seconds, g.startup_timeout_seconds)
         self.busy_since: float | None = time.monotonic()  # rank 0: when the round in progress began (None: idle)
+        self.preemption: PreemptionHandler | None = None  # rank 0 watches its flag while it waits (watch_preemption)
+        self.gave_up_for_preemption = False  # rank 0: the failure is a generator not waited for after a signal
         if self.main:
             port = free_local_port()
             self.process = mp.get_context("spawn").Process(
-                target=serve, args=(cfg, "127.0.0.1", port, generator_device(g.device)), name="exgrpo-generator")
+                target=serve, args=(cfg, "127.0.0.1", port, generator_device(g.device), parent_token()),
+                name="exgrpo-generator")
             self.process.start()
             print(f"exgrpo-train: generator process started (pid {self.process.pid})", file=sys.stderr, flush=True)
             # the link is made, and "ready" awaited, on the link's thread: the main thread never blocks on the
@@ -102,6 +108,10 @@ class AheadGeneration:
             self.thread = threading.Thread(target=self._serve_requests, args=(port,), name="exgrpo-generator-link",
                                            daemon=True)
             self.thread.start()
+
+    def watch_preemption(self, handler: PreemptionHandler) -> None:
+        """While waiting for the generator, act on a preemption signal this rank receives (ahead/watch.py)."""
+        self.preemption = handler
 
     # ---------------------------------------------------------------- the schedule
     def steps_to_plan(self, step: int) -> list[int]:
@@ -136,8 +146,13 @@ class AheadGeneration:
                 payload[0] = self._wait_for(step)
             except GeneratorFailed as exc:
                 payload[0] = str(exc)
+            except PreemptedWhileWaiting as exc:
+                payload[0] = ("preempted", str(exc))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
+        if isinstance(payload[0], tuple):
+            self.failure = payload[0][1]
+            raise PreemptedWhileWaiting(payload[0][1])
         if isinstance(payload[0], str):
             self.failure = payload[0]
             raise GeneratorFailed(payload[0])
@@ -150,13 +165,37 @@ class AheadGeneration:
             return self.restored.pop(step)
         with self.ready:
             while step not in self.results:
-                if self.failure is not None:
-                    raise GeneratorFailed(self.failure)
+                if self.failure is not None:  # also when a save gave up on it for a preemption signal (below)
+                    raise (PreemptedWhileWaiting if self.gave_up_for_preemption else GeneratorFailed)(self.failure)
                 if self.error is not None:
                     self._check_generator(step, self.error)
                 if not self.ready.wait_for(lambda: step in self.results or self.error is not None, WATCH_SECONDS):
                     self._check_generator(step)
+                    self._stop_waiting_if_preempted(step)
             return self.results.pop(step)
+
+    def _stop_waiting_if_preempted(self, step: int) -> None:
+        """Rank 0 received a preemption signal and the generator is stopped or late: kill it, raise
+        PreemptedWhileWaiting (ahead/watch.py)."""
+        if self.preemption is None or not self.preemption.received:
+            return
+        late = None if self.busy_since is None else time.monotonic() - self.busy_since
+        pid = int(self.process.pid or 0)
+        state = process_state(pid)
+        if not state.startswith("stopped"):
+            if late is None or self.deadline.usual(late):
+                return  # within its usual round time: its answer keeps the requeued run bitwise equal
+            state = (f"has not answered for {late:.0f} s (the slowest round so far took "
+                     f"{self.deadline.slowest_round:.1f} s)" if self.deadline.rounds else
+                     f"has not answered its first round yet ({late:.0f} s since it started)")
+        else:
+            state = f"is {state}"
+        self.failure = (f"step {step}'s rollouts were awaited, and the generator process (pid {pid}) {state}: not "
+                        "waiting for it (it is killed; the rollouts not received are asked for again after the "
+                        "requeue)")
+        self.gave_up_for_preemption = True
+        self.process.kill()
+        raise PreemptedWhileWaiting(self.failure)
 
     def _check_generator(self, step: int, error: BaseException | None = None) -> None:
         """Raise GeneratorFailed (and kill the generator) when it died, missed its deadline or broke the link."""
@@ -218,7 +257,7 @@ class AheadGeneration:
     def _wait_for_keep(self, step: int) -> RolloutResult | None:
         try:
             result = self._wait_for(step)
-        except GeneratorFailed:
+        except (GeneratorFailed, PreemptedWhileWaiting):
             return None  # saved without it; the next take() reports the failure on every rank
         self.restored[step] = result  # still to be taken
         return result

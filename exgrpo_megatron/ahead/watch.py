@@ -11,6 +11,12 @@ rollout.generator.startup_timeout_seconds, counted from the process start. A gen
 (stopped, hung in a collective, swapping) or dies (a signal, the OOM killer, an error) raises GeneratorFailed on the
 trainer with its pid and what the kernel says of it; the trainer saves its last whole step and exits
 EXIT_GENERATOR_FAILED (trainer.py). A step is never trained on rollouts that did not all arrive.
+
+A preemption signal (SIGTERM / SIGUSR1) received by the trainer's rank 0 while it waits is looked at every second too:
+a generator that is stopped, or whose round has already run longer than the slowest round measured so far (hung, or
+slower than it has ever been), is not waited for -- it is killed, PreemptedWhileWaiting is raised on every rank, and
+the trainer saves its last whole step and exits 75 at once (the rollouts not received are marked lost, as after an
+exit 4). A generator still inside its usual round time is waited for, so that the requeued run stays bitwise equal.
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ _PROC_STATES = {"T": "stopped (SIGSTOP or a debugger)", "t": "stopped by a trace
 
 class GeneratorFailed(RuntimeError):
     """The generator died or missed its deadline (the message names it); no step was trained on a partial answer."""
+
+
+class PreemptedWhileWaiting(RuntimeError):
+    """A preemption signal arrived while the trainer waited for a stopped or late generator (the message says which);
+    the generator is killed and not waited for."""
 
 
 @dataclass
@@ -46,6 +57,10 @@ class Deadline:
         if not self.rounds:
             return self.startup_seconds
         return max(self.min_seconds, self.factor * self.slowest_round)
+
+    def usual(self, seconds: float) -> bool:
+        """Is a round that has run `seconds` so far still within the rounds measured (False before any)?"""
+        return self.rounds > 0 and seconds <= self.slowest_round
 
     def explain(self) -> str:
         if not self.rounds:

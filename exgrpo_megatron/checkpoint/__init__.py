@@ -13,6 +13,7 @@ from exgrpo_megatron.checkpoint.checkpointer import (
     save_model_weights,
 )
 from exgrpo_megatron.checkpoint.compat import IncompatibleCheckpointError, model_config_to_yaml
+from exgrpo_megatron.checkpoint.disk import NoRoomForCheckpointError, check_room_for_checkpoint
 from exgrpo_megatron.checkpoint.files import CheckpointFormatError
 from exgrpo_megatron.checkpoint.integrity import CheckpointVerificationError, verify_checkpoint
 from exgrpo_megatron.checkpoint.layout import checkpoints_dir, find_latest, resolve_resume
@@ -27,7 +28,9 @@ __all__ = [
     "IncompatibleCheckpointError",
     "InsufficientDiskSpaceError",
     "LoadedCheckpoint",
+    "NoRoomForCheckpointError",
     "PreemptionHandler",
+    "check_room_for_checkpoint",
     "checkpoints_dir",
     "find_latest",
     "load_checkpoint",

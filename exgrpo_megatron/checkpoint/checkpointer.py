@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import exgrpo_megatron.checkpoint.layout as L
 from exgrpo_megatron.checkpoint.compat import check_model_compatible
-from exgrpo_megatron.checkpoint.disk import disk_space_error, expected_checkpoint_bytes, write_error_message
+from exgrpo_megatron.checkpoint.disk import room_error, write_error_message
 from exgrpo_megatron.checkpoint.files import (
     FORMAT_VERSION,
     fsync_tree,
@@ -71,6 +71,7 @@ from exgrpo_megatron.checkpoint.pool_io import (
     POOL_SUBDIR,
     PoolShard,
     check_shard_entries,
+    is_pool_writer,
     pool_nbytes,
     read_pool_shards,
     write_pool_manifest,
@@ -137,17 +138,6 @@ def process_layout() -> dict[str, int]:
     }
 
 
-def is_pool_writer() -> bool:
-    """The tp0 / pp0 / cp0 rank of each DP replica owns (and writes) that replica's pool shard."""
-    from megatron.core import parallel_state as ps
-
-    return (
-        ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_pipeline_model_parallel_rank() == 0
-        and ps.get_context_parallel_rank() == 0
-    )
-
-
 def _all_gather(obj: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
@@ -189,9 +179,8 @@ def _preflight(
             if opt_param_scheduler is not None:
                 json.dumps(opt_param_scheduler.state_dict())
             yaml.safe_load(model_config_yaml)
-            L.remove_stale_tmp_dirs(ckpt_dir)  # first: a failed save's leftover must not block the next one
-            needed = expected_checkpoint_bytes(ckpt_dir, sum(e["param_bytes"] + e["pool_bytes"] for e in everyone))
-            error = disk_space_error(ckpt_dir, needed)
+            error = room_error(ckpt_dir, sum(e["param_bytes"] + e["pool_bytes"] for e in everyone),
+                               "refusing to save a checkpoint")
             disk_error = error is not None
             if error is None:
                 tmp = ckpt_dir / (L.TMP_PREFIX + L.step_dir_name(step))

@@ -8,15 +8,13 @@ stored under global sharded keys, so a checkpoint written at one layout loads at
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import signal
-import threading
-import time
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 from exgrpo_megatron.checkpoint.compat import check_padded_vocab
 from exgrpo_megatron.checkpoint.files import CheckpointFormatError
+from exgrpo_megatron.distributed.lifetime import die_with_parent, parent_token
 from exgrpo_megatron.model.param_layout import is_adapter
 
 
@@ -65,18 +63,13 @@ def checkpoint_padded_vocab(model_dir: Path) -> int | None:
 _RESULTS_MANAGER: SyncManager | None = None
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(0)
-
-
-def _results_server_init() -> None:
+def _results_server_init(parent_pid: int, kernel: bool) -> None:
     """Runs in the results-queue server process: survive preemption signals sent to the whole process
-    group (Slurm signals every process of a step), but exit as soon as the training process is gone."""
+    group (Slurm signals every process of a step), but die with the training process however it ends
+    (the kernel's parent-death SIGKILL, distributed/lifetime.py; at once if it is already gone)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    die_with_parent(parent_pid, kernel=kernel)
 
 
 def ensure_signal_proof_save_workers() -> None:
@@ -94,7 +87,7 @@ def ensure_signal_proof_save_workers() -> None:
     if _RESULTS_MANAGER is not None and process is not None and process.is_alive():
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_results_server_init)
+    manager.start(initializer=_results_server_init, initargs=parent_token())
     _RESULTS_MANAGER = manager
     filesystem_async._results_queue = manager.Queue()
 

@@ -83,6 +83,17 @@ def read_pool_shards(pool_dir: Path, manifest_sha256: str) -> list[PoolShard]:
     return shards
 
 
+def is_pool_writer() -> bool:
+    """The tp0 / pp0 / cp0 rank of each DP replica owns (and writes) that replica's pool shard."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_pipeline_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
+
+
 def pool_nbytes(shard: PoolShard | None) -> int:
     if shard is None:
         return 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -85,9 +87,14 @@ def restore_rng_state(rng_dir: Path, rank: int, json_sha256: str) -> None:
     check_format_version(record.get("format_version"), json_path)
     tensors = load(read_verified(rng_dir / f"{stem}.safetensors", record["tensors_sha256"]))
 
-    py = record["python_random"]
+    restore_rng_streams(tensors, record)
+
+
+def restore_rng_streams(tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+    """Set every stream from `capture_rng_tensors()` / `capture_rng_scalars()` (or their saved copies)."""
+    py = scalars["python_random"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
-    npr = record["numpy_random"]
+    npr = scalars["numpy_random"]
     keys = np.asarray(npr["keys"], dtype=np.uint32)
     np.random.set_state((npr["bit_generator"], keys, npr["pos"], npr["has_gauss"], npr["cached_gaussian"]))
     torch.set_rng_state(tensors["torch_cpu"])
@@ -97,3 +104,14 @@ def restore_rng_state(rng_dir: Path, rank: int, json_sha256: str) -> None:
     tracker_states = {k[len(_TRACKER_PREFIX):]: v for k, v in tensors.items() if k.startswith(_TRACKER_PREFIX)}
     if tracker_states:
         _megatron_tracker().set_states(tracker_states)
+
+
+@contextmanager
+def rng_streams_kept() -> Iterator[None]:
+    """Every stream restore_rng_streams sets is as before the block when it ends (work whose draws must not shift
+    the run's streams, such as training the warm-start entry that another run would load instead)."""
+    tensors, scalars = capture_rng_tensors(), capture_rng_scalars()
+    try:
+        yield
+    finally:
+        restore_rng_streams(tensors, scalars)

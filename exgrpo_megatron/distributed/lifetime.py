@@ -14,6 +14,11 @@ this process forks from Python (`os.fork`, multiprocessing's 'fork' context) cal
 kernel's "parent" is the *thread* that forked: a child forked from the main thread gets the signal; one forked from
 another thread (which may end before the child should) gets the polling thread instead. A parent that died between
 the fork and the prctl is caught by comparing the parent pid with the one recorded before the fork.
+
+A *spawned* child (multiprocessing 'spawn': the checkpoint writers' results Manager, the generator) inherits no such
+signal: its parent passes `parent_token()` (its pid, and whether the spawning thread is the main one) and the child
+calls `die_with_parent(*token)` first thing (the Manager in its initializer), which also exits at once when the
+parent is already gone.
 """
 
 from __future__ import annotations
@@ -49,6 +54,13 @@ def die_with_parent(parent_pid: int | None = None, kernel: bool = True) -> None:
         os._exit(1)
     if not armed:
         threading.Thread(target=_exit_when_orphaned, args=(parent,), name="exit-with-parent", daemon=True).start()
+
+
+def parent_token() -> tuple[int, bool]:
+    """What a process passes to a child it spawns, for the child's `die_with_parent(*token)`: its pid, and whether the
+    kernel's parent-death signal can be used (the spawning thread is the main one, which lives as long as the
+    process; another thread may end first, and then the child polls instead)."""
+    return os.getpid(), threading.current_thread() is threading.main_thread()
 
 
 def _before_fork() -> None:

@@ -67,6 +67,7 @@ class PreemptionHandler:
         self.received_at: float | None = None
         self.startup = False
         self.interrupted_startup = False  # a signal arrived in start-up mode
+        self.stop_signal: int | None = None  # the signal some rank received, once should_stop() said True
         self._previous: dict[int, SignalHandler] = {}
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -110,15 +111,29 @@ class PreemptionHandler:
 
     def should_stop(self) -> bool:
         """True on every rank iff any rank has received a preemption signal. Collective over the
-        default process group (all-reduce MAX); call it at the same point of every step on all ranks."""
+        default process group (all-reduce MAX of the signal number, kept as `stop_signal`); call it at the same
+        point of every step on all ranks."""
         import torch
         import torch.distributed as dist
 
+        own = self.received_signal or 0
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            self.stop_signal = own or None
             return self.received
         device = torch.device("cpu")
         if dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device)
+        flag = torch.tensor([own], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.stop_signal = int(flag.item()) or None
+        return self.stop_signal is not None
+
+    def stop_message(self, step: int, why: str = "") -> str:
+        """What a run stopping for preemption says (after should_stop() and the save of `step`; 0: none saved)."""
+        signum = self.stop_signal or self.received_signal
+        name = signal.Signals(signum).name if signum else "a preemption signal"
+        where = "this rank" if self.received_signal == signum else "another rank"
+        saved = (f"saved step {step}, exiting with {REQUEUE_EXIT_CODE} to be requeued. The next launch resumes from "
+                 "that checkpoint (checkpoint.resume=auto)." if step > 0 else
+                 f"no step finished, nothing saved; exiting with {REQUEUE_EXIT_CODE} to be requeued.")
+        return f"exgrpo-train: preempted: {name} received (by {where}){f': {why}' if why else ''}; {saved}"

@@ -17,7 +17,9 @@ global rank 0 takes `<run_dir>/run.lock` before the process group, the model or 
   over; otherwise refused.
 
 The run directory is checked first (config/paths.run_dir_problem: a writable directory, or creatable; exit 2,
-key `logging.run_dir`).
+key `logging.run_dir`). The lock remembers what taking it created (the directories and the lock file); a start that
+is refused (`release(refused=True)`) removes them again, empty directories only, so a refusal leaves nothing behind
+and never touches anything that was there before.
 """
 
 from __future__ import annotations
@@ -100,10 +102,14 @@ class RunDirLock:
 
     path: Path
     handle: IO[str] | None
+    created: tuple[Path, ...] = ()  # what acquiring created: the lock file and new directories, deepest first
 
-    def release(self) -> None:
+    def release(self, refused: bool = False) -> None:
+        """Give the lock up; `refused` (a start-up refusal): also remove what acquiring it created."""
         if self.handle is None:
             return
+        if refused:
+            self._remove_created()
         try:
             self.handle.seek(0)
             self.handle.truncate()  # an empty lock file: nobody holds it
@@ -113,6 +119,18 @@ class RunDirLock:
         fcntl.flock(self.handle, fcntl.LOCK_UN)
         self.handle.close()
         self.handle = None
+
+    def _remove_created(self) -> None:
+        """Still holding the lock: unlink the lock file if this start created it, then the directories it created
+        while they are empty (a later launch that opened the unlinked file finds it replaced and retries)."""
+        for created in self.created:
+            try:
+                if created == self.path:
+                    created.unlink()
+                else:
+                    created.rmdir()  # only when empty: never what someone else put there meanwhile
+            except OSError:
+                return
 
     def drop_in_forked_child(self) -> None:
         """In a child forked from the holder: let go of the inherited descriptor without unlocking (the lock
@@ -148,6 +166,49 @@ def _claim_without_flock(fh: IO[str], path: Path) -> None:
                       f"delete {path}")
 
 
+def _new_directories(directory: Path) -> list[Path]:
+    """The directories that creating `directory` would create, deepest first."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    return missing
+
+
+def _open_and_lock(path: Path, run_dir: str | Path) -> IO[str]:
+    """Open and lock `path` (RunDirError when it is held or cannot be locked). A lock file that a refused start
+    unlinked while this process waited is not the run's lock any more: opened again."""
+    while True:
+        try:
+            fh = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the life of the run
+        except OSError as err:
+            raise RunDirError(f"logging.run_dir: {str(run_dir)!r}: cannot create {path}: {err.strerror or err}") \
+                from err
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fh)
+            fh.close()
+            raise RunDirError(f"logging.run_dir: {path.parent} is in use by another trainer "
+                              f"({holder_text(holder)}); two trainers on one run directory overwrite each other's "
+                              "checkpoints and metrics. Wait for it to end, or use another logging.run_dir") from None
+        except OSError as err:
+            if err.errno not in _NO_FLOCK:
+                fh.close()
+                raise RunDirError(f"logging.run_dir: cannot lock {path}: {err}") from err
+            try:
+                _claim_without_flock(fh, path)
+            except RunDirError:
+                fh.close()
+                raise
+        try:
+            if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+                return fh
+        except FileNotFoundError:
+            pass
+        fh.close()
+
+
 def acquire_run_dir(run_dir: str | Path) -> RunDirLock:
     """Check the run directory, create it, and take its lock; RunDirError (a `logging.run_dir:` line) when the
     directory is unusable or a live trainer holds it."""
@@ -155,33 +216,18 @@ def acquire_run_dir(run_dir: str | Path) -> RunDirLock:
     if problem is not None:
         raise RunDirError(problem)
     path = Path(run_dir).expanduser() / LOCK_FILE
+    new_dirs = _new_directories(path.parent)
+    new_lock_file = not path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the life of the run
     except OSError as err:
         raise RunDirError(f"logging.run_dir: {str(run_dir)!r}: cannot create {path}: {err.strerror or err}") from err
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _read_holder(fh)
-        fh.close()
-        raise RunDirError(f"logging.run_dir: {path.parent} is in use by another trainer "
-                          f"({holder_text(holder)}); two trainers on one run directory overwrite each other's "
-                          "checkpoints and metrics. Wait for it to end, or use another logging.run_dir") from None
-    except OSError as err:
-        if err.errno not in _NO_FLOCK:
-            fh.close()
-            raise RunDirError(f"logging.run_dir: cannot lock {path}: {err}") from err
-        try:
-            _claim_without_flock(fh, path)
-        except RunDirError:
-            fh.close()
-            raise
+    fh = _open_and_lock(path, run_dir)
     fh.seek(0)
     fh.truncate()
     fh.write(json.dumps(_this_holder()) + "\n")
     fh.flush()
     os.fsync(fh.fileno())
-    lock = RunDirLock(path, fh)
+    lock = RunDirLock(path, fh, created=(*([path] if new_lock_file else []), *new_dirs))
     _HELD.add(lock)
     return lock

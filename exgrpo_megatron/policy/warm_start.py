@@ -4,7 +4,8 @@ A from-scratch model solves nothing, so RL has no signal. Before RL, the demo tr
 with token cross-entropy on the task's solutions (`data/synthetic.py`: reasoning in think tags and
 the answer in \\boxed{}), L = -sum_t log p(y_t | x, y_<t) / N_tokens, and caches the weights as a
 weights-only checkpoint keyed by everything that determines them. RL then starts from them with a
-fresh optimizer, exactly like `checkpoint.init_from`. A cache entry is sealed with a manifest (size + sha256 of
+fresh optimizer, exactly like `checkpoint.init_from`; training the entry leaves every RNG stream as it found it, so a
+run that trains it and one that loads it continue identically. A cache entry is sealed with a manifest (size + sha256 of
 every file, checkpoint/integrity.py) and verified before use; an entry that fails (or has no manifest) is named,
 removed and trained again.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from exgrpo_megatron.checkpoint.rng_io import rng_streams_kept
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.synthetic import task_fingerprint, warm_start_examples
 from exgrpo_megatron.data.tokenizer import Tokenizer
@@ -153,7 +155,8 @@ def warm_start_weights(cfg: RootConfig, tokenizer: Tokenizer) -> Path:
             if dist.get_rank() == 0:
                 print(f"exgrpo-train: supervised warm start ({cfg.trainer.sft_warm_start_steps} steps) -> {out_dir}",
                       file=sys.stderr)
-            train_warm_start(cfg, tokenizer, out_dir)
+            with rng_streams_kept():  # the same streams after as a run that loads the entry (its model draws)
+                train_warm_start(cfg, tokenizer, out_dir)
     return out_dir
 
 
