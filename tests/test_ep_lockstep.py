@@ -1,0 +1,142 @@
+"""Expert parallelism with unequal data per rank: the trainer at EP=2 never hangs and logs EP=1's numbers.
+
+Under EP every model forward is a collective of the EP ranks, and the ranks hold different data. These runs give
+the two ranks unequal work on purpose, and check that the unequal work really happened (the harness records what
+each rank brought to every pass site, `Lockstep.observers`):
+  * the replay scorer with candidates on one rank and none on the other (a drawn question with one stored
+    trajectory needs no score), and the replayed rows' pi_old forward likewise;
+  * different response lengths, so different micro-batch counts and generation rounds;
+  * a validation whose single question lands on one rank (the other generates nothing);
+  * DAPO's filter leaving a rank with no kept fresh group, so only it generates in the refill rounds while the
+    other joins with nothing;
+over the warm-up, collecting and mixed phases. Each run is compared step by step with the same run at EP=1 (DP=2
+either way: EP takes its ranks from DP, so the data split is the same). A hang fails the test in bounded time
+(`run_on_ranks`' timeout): with any rank-local skip of a forward put back, these runs hang.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from exgrpo_megatron.config.loader import load_config
+from tests.helpers.multirank import run_on_ranks
+
+RUN_TIMEOUT_S = 420.0  # one EP run takes ~1-2 min on a busy 2-core machine; a hang ends here, not at gloo's 30 min
+NOT_COMPARED = ("time/", "throughput/", "train/padding_share")  # wall clock; EP pads to the busiest rank's count
+REL, ABS = 1e-6, 1e-7
+
+
+def _overrides(run_dir: str, sft_dir: str, ep: int, extra: tuple[str, ...]) -> list[str]:
+    return ["model=demo_qwen3_moe", "model.params_dtype=fp32", f"parallel.expert_model_parallel_size={ep}",
+            f"trainer.sft_cache_dir={sft_dir}", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
+            "logging.progress_bar=false", "trainer.train_batch_size=4", "trainer.ppo_mini_batch_size=2",
+            "rollout.n=4", "data.max_response_length=24", "data.num_val_examples=1", "checkpoint.save_every=100",
+            *extra]
+
+
+def train_recording_sites(overrides: list[str]) -> dict:
+    """run_training, recording per step what this rank brought to each pass site (site, its count, the agreed
+    count), the groups of each generation round, and the step's graded rewards."""
+    from exgrpo_megatron.logging import read_metrics
+    from exgrpo_megatron.step_observer import StepObserver
+    from exgrpo_megatron.trainer import run_training
+
+    sites: list[tuple[int, str, int, int]] = []
+    rounds: list[tuple[int, int]] = []  # (step, groups this rank generated in one round)
+    first_round_rewards: dict[int, list[list[float]]] = {}
+    step_now = [0]
+
+    class Record(StepObserver):
+        def started(self, c) -> None:
+            c.policy.lockstep.observers.append(lambda site, mine, agreed: sites.append((step_now[0], site, mine,
+                                                                                          agreed)))
+            c.rollout.engine.lockstep.observers.append(
+                lambda site, mine, agreed: None if mine == agreed else sites.append((step_now[0], "idle_round", 0, 1)))
+
+        def begin(self, step) -> None:
+            step_now[0] = step
+
+        def generated(self, step, groups, samples) -> None:
+            rounds.append((step, len(groups)))
+
+        def rolled_out(self, step, rollouts) -> None:
+            first_round_rewards[step] = [list(r) for r in rollouts.graded_rewards[:2]]  # the B / DP first groups
+
+    cfg = load_config("demo_cpu", overrides)
+    assert run_training(cfg, observers=[Record()]) == 0
+    return {"metrics": read_metrics(f"{cfg.logging.run_dir}/metrics.jsonl"), "sites": sites, "rounds": rounds,
+            "first_round_rewards": first_round_rewards}
+
+
+def _run(tmp_path, sft_dir: str, ep: int, extra: tuple[str, ...]) -> list[dict]:
+    run_dir = str(tmp_path / f"ep{ep}")
+    return run_on_ranks(train_recording_sites, 2, args=(_overrides(run_dir, sft_dir, ep, extra),),
+                        timeout=RUN_TIMEOUT_S)
+
+
+def _assert_same_steps(got: list[dict], ref: list[dict]) -> None:
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref, strict=True):
+        assert set(g) == set(r), set(g) ^ set(r)
+        for key, v in r.items():
+            if key.startswith(NOT_COMPARED):
+                continue
+            if isinstance(v, float) and not (math.isnan(v) and math.isnan(g[key])):
+                assert g[key] == pytest.approx(v, rel=REL, abs=ABS), (r["step"], key)
+            elif not isinstance(v, float):
+                assert g[key] == v, (r["step"], key)
+
+
+def _uneven(per_rank: list[dict], site: str) -> list[int]:
+    """Steps where one rank brought work to `site` and another none."""
+    counts: dict[int, list[int]] = {}
+    for rank in per_rank:
+        for step, s, mine, _ in rank["sites"]:
+            if s == site:
+                counts.setdefault(step, []).append(mine)
+    return sorted(step for step, c in counts.items() if min(c) == 0 < max(c))
+
+
+def test_exgrpo_at_ep2_with_unequal_ranks_equals_ep1(tmp_path, sft_cache_dir):
+    """ExGRPO through warm-up, collecting and mixed steps (a validation at the end): replay scores, replayed rows'
+    pi_old and validation with one rank empty; every logged number of every step equals EP=1's."""
+    extra = ("trainer.total_steps=5", "trainer.val_every=5", "experience.delayed_start_pass_rate=0.05",
+             "experience.ratio=0.5", "seed=11")
+    ref = _run(tmp_path, sft_cache_dir, 1, extra)
+    got = _run(tmp_path, sft_cache_dir, 2, extra)
+    _assert_same_steps(got[0]["metrics"], ref[0]["metrics"])
+    phases = [m["phase"] for m in got[0]["metrics"]]
+    assert phases[0] == "warmup" and phases[-1] == "mixed", phases
+    assert any(m["experience/n_replayed"] > 0 for m in got[0]["metrics"])
+    assert "val/avg@1" in got[0]["metrics"][-1]
+    # the unequal work really happened at EP=2, and every rank joined every pass
+    assert _uneven(got, "replay_scores"), [r["sites"] for r in got]
+    assert _uneven(got, "old_logprobs"), [r["sites"] for r in got]
+    assert sorted(n for step, n in got[0]["rounds"] + got[1]["rounds"] if step == 5)[:2] == [0, 1]  # validation
+    for rank in got:
+        assert any(site == "idle_round" for _, site, _, _ in rank["sites"])  # joined another rank's generation
+    assert [s[1:] for s in got[0]["sites"] if s[1] != "idle_round"] != [], "no pass recorded"
+    assert [(s[0], s[1], s[3]) for s in got[0]["sites"] if s[1] != "idle_round"] == \
+        [(s[0], s[1], s[3]) for s in got[1]["sites"] if s[1] != "idle_round"]  # same passes, same agreed counts
+
+
+def test_dapo_at_ep2_with_a_rank_whose_groups_are_all_filtered_equals_ep1(tmp_path, sft_cache_dir):
+    """DAPO's filter drops every fresh group of one rank: only that rank generates in the refill round(s) (the
+    other joins with no prompt), then both train; every logged number equals EP=1's."""
+    extra = ("algo.name=dapo", "trainer.total_steps=4", "trainer.val_every=0", "algo.max_refill_rounds=2",
+             "seed=5")
+    ref = _run(tmp_path, sft_cache_dir, 1, extra)
+    got = _run(tmp_path, sft_cache_dir, 2, extra)
+    _assert_same_steps(got[0]["metrics"], ref[0]["metrics"])
+    assert any(m["filter/refill_rounds"] > 0 for m in got[0]["metrics"])
+
+    def all_dropped(rewards: list[list[float]]) -> bool:
+        return all(len(set(r)) == 1 for r in rewards)
+
+    emptied = [(rank, step) for rank, r in enumerate(got) for step, rw in r["first_round_rewards"].items()
+               if all_dropped(rw)]
+    assert emptied, [r["first_round_rewards"] for r in got]
+    refill = [(step, n) for r in got for step, n in r["rounds"]]
+    assert any(n == 0 for _, n in refill), refill  # a rank with nothing to refill joined the other's round
