@@ -25,7 +25,9 @@ from tests.helpers.multirank import run_on_ranks
 
 RUN_TIMEOUT_S = 420.0  # one EP run takes ~1-2 min on a busy 2-core machine; a hang ends here, not at gloo's 30 min
 NOT_COMPARED = ("time/", "throughput/", "train/padding_share")  # wall clock; EP pads to the busiest rank's count
-REL, ABS = 1e-6, 1e-7
+# fp32: an EP=2 expert GEMM holds both ranks' tokens, an EP=1 one a rank's own, so sums round differently (~1e-7 of a
+# logit); the ratio metrics exp() that, a few 1e-6 relative after a few steps
+REL, ABS = 1e-5, 1e-7
 
 
 def _overrides(run_dir: str, sft_dir: str, ep: int, extra: tuple[str, ...]) -> list[str]:
@@ -36,6 +38,95 @@ def _overrides(run_dir: str, sft_dir: str, ep: int, extra: tuple[str, ...]) -> l
             *extra]
 
 
+# ------------------------------------------------------------------------- one rank with work, the other with none
+def passes_with_one_empty_rank(ep: int) -> dict:
+    """Rank 0 has rows, prompts and an update; rank 1 has none of them, and calls every pass all the same: the
+    pi_old forward, an update (its optimizer step too) and generation with no prompt. Rank 0's results must be EP=1's
+    (there rank 1 has nothing to join)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from exgrpo_megatron.algo.loss import global_loss_counts
+    from exgrpo_megatron.algo.registry import build_algorithm
+    from exgrpo_megatron.data.step_plan import QuestionGroup
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.policy.objective import rl_loss_fn
+    from exgrpo_megatron.policy.policy import Policy
+    from exgrpo_megatron.policy.train_batch import TrainBatch, micro_batches_for_update, token_stats
+    from exgrpo_megatron.rollout.groups import generate_groups
+    from exgrpo_megatron.rollout.megatron_engine import MegatronRolloutEngine
+    from exgrpo_megatron.rollout.types import SamplingParams
+    from tests.test_moe_parallel import MOE, _rows
+
+    cfg = load_config("demo_cpu", [*MOE, f"parallel.expert_model_parallel_size={ep}"])
+    init_distributed(seed=cfg.seed, expert_model_parallel_size=ep)
+    policy = Policy(cfg)
+    sites: list[tuple[str, int, int]] = []
+    policy.lockstep.observers.append(lambda site, mine, agreed: sites.append((site, mine, agreed)))
+    rows = _rows()
+    mine = list(range(6)) if dist.get_rank() == 0 else []
+    stats = token_stats(policy, [rows.sequences[i] for i in mine], [rows.prompt_lengths[i] for i in mine],
+                        site="old_logprobs", temperature=1.0, with_entropy=True, max_tokens=24)
+    batch = TrainBatch.of(rows, old_logprobs=None)
+    algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    counts = global_loss_counts([batch.response_lengths[i] for i in mine], ps.get_data_parallel_group())
+    loss_fn = rl_loss_fn(algorithm, phase=Phase.MIXED, normalisers=algorithm.normalisers(*counts), temperature=1.0)
+    policy.train()
+    policy.zero_grad()
+    metrics = policy.forward_backward(micro_batches_for_update(batch, mine, max_tokens=24), loss_fn, site="update")
+    result = policy.optimizer_step(skip_grad_bound=1e9)
+    engine = MegatronRolloutEngine(policy.modules[0], vocab_size=128, max_batch_sequences=4)
+    prompts = [[5, 9, 17, 3], [40, 2]] if dist.get_rank() == 0 else []
+    groups = [QuestionGroup(q, p, "") for q, p in enumerate(prompts)]
+    samples = generate_groups(engine, groups, 2, SamplingParams(max_new_tokens=8, temperature=1.0, seed=3))
+    return {"logprobs": [t.tolist() for t in stats.logprobs], "entropy": [t.tolist() for t in stats.entropy or []],
+            "losses": [float(m["pg_loss"]) for m in metrics], "grad_norm": result.grad_norm, "sites": sites,
+            "samples": [(s.response_ids, s.logprobs) for g in samples for s in g]}
+
+
+def test_a_rank_without_work_joins_every_pass_at_ep2():
+    ref = run_on_ranks(passes_with_one_empty_rank, 2, args=(1,), timeout=RUN_TIMEOUT_S)
+    got = run_on_ranks(passes_with_one_empty_rank, 2, args=(2,), timeout=RUN_TIMEOUT_S)
+    empty = got[1]
+    assert empty["logprobs"] == [] and empty["losses"] == [] and empty["samples"] == []
+    assert [s[0] for s in empty["sites"]] == ["old_logprobs", "update"] and all(m == 0 for _, m, _ in empty["sites"])
+    assert [(s, a) for s, _, a in empty["sites"]] == [(s, a) for s, _, a in got[0]["sites"]]  # agreed alike
+    # EP=1: no forward to join; the update still joins the data-parallel gradient sync (one padding micro-batch)
+    assert ref[1]["sites"] == [("old_logprobs", 0, 0), ("update", 0, ref[0]["sites"][1][1])]
+    r, g = ref[0], got[0]
+    assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    assert g["losses"] == pytest.approx(r["losses"], rel=1e-5, abs=1e-7)
+    for key in ("logprobs", "entropy"):
+        for a, b in zip(g[key], r[key], strict=True):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    assert [ids for ids, _ in g["samples"]] == [ids for ids, _ in r["samples"]] and g["samples"]
+
+
+def test_the_scorer_is_called_on_a_rank_without_multi_candidate_questions():
+    """Under EP the scorer's forward is a collective: a rank whose drawn questions have one stored trajectory each
+    still calls it (with nothing), and its choices are those without scores."""
+    import numpy as np
+
+    from exgrpo_megatron.experience.selection import choose_trajectories
+    from exgrpo_megatron.experience.types import Trajectory
+
+    calls = []
+
+    def scorer(qids, candidates):
+        calls.append((list(qids), len(candidates)))
+        return []
+
+    one = [[Trajectory(np.array([1, 2], np.int32), np.array([-0.1, -0.2], np.float32), 1)] for _ in range(2)]
+    chosen = choose_trajectories([3, 4], one, "ent", scorer, np.random.default_rng(0))
+    assert calls == [([], 0)]
+    assert [c[0] for c in chosen] == [one[0][0], one[1][0]] and all(c[1] is None for c in chosen)
+    assert choose_trajectories([], [], "ent", scorer, np.random.default_rng(0)) == [] and len(calls) == 2
+    choose_trajectories([3, 4], one, "random", scorer, np.random.default_rng(0))
+    assert len(calls) == 2  # random needs no scores: no pass on any rank
+
+
+# ---------------------------------------------------------------------------------- the trainer, ranks unequal
 def train_recording_sites(overrides: list[str]) -> dict:
     """run_training, recording per step what this rank brought to each pass site (site, its count, the agreed
     count), the groups of each generation round, and the step's graded rewards."""
@@ -114,7 +205,6 @@ def test_exgrpo_at_ep2_with_unequal_ranks_equals_ep1(tmp_path, sft_cache_dir):
     # the unequal work really happened at EP=2, and every rank joined every pass
     assert _uneven(got, "replay_scores"), [r["sites"] for r in got]
     assert _uneven(got, "old_logprobs"), [r["sites"] for r in got]
-    assert sorted(n for step, n in got[0]["rounds"] + got[1]["rounds"] if step == 5)[:2] == [0, 1]  # validation
     for rank in got:
         assert any(site == "idle_round" for _, site, _, _ in rank["sites"])  # joined another rank's generation
     assert [s[1:] for s in got[0]["sites"] if s[1] != "idle_round"] != [], "no pass recorded"

@@ -15,8 +15,10 @@ joining with a one-token forward (rollout/megatron_engine.py). The agreement is 
 group: it covers every EP group and the data-parallel gradient sync (a pass that is empty on a whole EP group but
 not elsewhere still joins it), at the price of padding an EP group to the busiest group's count.
 
-At EP = 1 nothing is exchanged (a forward has no collective across data-parallel ranks): `agree` returns the local
-count and the passes run exactly as before.
+At EP = 1 a forward has no collective across data-parallel ranks, so a forward-only pass exchanges nothing: `agree`
+returns the local count and the pass runs exactly as before. A training pass still ends in the data-parallel
+gradient sync, so with more than one rank its count is agreed too (`gradient_sync=True`), and a rank without
+micro-batches joins the others' pass with one padding micro-batch instead of skipping the sync they wait in.
 
 Sites are named ("replay_scores", "old_logprobs", "update", "warm_start", "generate", ...): `site` holds the one
 running now (or last), and every observer is told (site, local count, agreed count) at each agreement.
@@ -47,14 +49,15 @@ class Lockstep:
     def expert_parallel(self) -> bool:
         return self.ep_group is not None
 
-    def agree(self, site: str, count: int) -> int:
-        """Collective over the run's ranks at EP > 1 (every rank calls it, whatever its own `count`): the largest
-        `count` of any rank; at EP = 1 `count` itself, no exchange."""
+    def agree(self, site: str, count: int, gradient_sync: bool = False) -> int:
+        """Collective over the run's ranks at EP > 1, and for a pass ending in a `gradient_sync` whenever there is
+        more than one rank (every rank calls it, whatever its own `count`): the largest `count` of any rank.
+        Otherwise `count` itself, no exchange."""
         if count < 0:
             raise ValueError(f"{site}: negative forward count {count}")
         self.site = site
         agreed = count
-        if self.ep_group is not None:
+        if self.ep_group is not None or (gradient_sync and dist.get_world_size() > 1):
             largest = torch.tensor([count], dtype=torch.long)
             dist.all_reduce(largest, op=dist.ReduceOp.MAX)
             agreed = int(largest.item())

@@ -174,17 +174,19 @@ class Policy:
 
         The one entry of every model pass (`site` names it, distributed/lockstep.py). Every rank calls it at every pass
         site, with its own micro-batches, possibly none: under expert parallelism the ranks agree on the count and
-        pad to it, and all return [] when every rank's list is empty (at EP = 1 an empty list returns [] here)."""
+        pad to it; a training pass with none here joins the others' gradient sync with one padding micro-batch; all
+        return [] when every rank's list is empty (a forward-only pass at EP = 1: when this rank's is)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        count = self.lockstep.agree(site, len(micro_batches))
+        count = self.lockstep.agree(site, len(micro_batches), gradient_sync=not forward_only)
         if count == 0:
             return []
         for observe in self.pass_observers:
             observe(site, micro_batches, forward_only)
         device = next(self.modules[0].parameters()).device
-        if self.lockstep.expert_parallel:
-            micro_batches = padded_to(micro_batches, count, self.sequence_packing)
+        if self.lockstep.expert_parallel or not micro_batches:
+            micro_batches = padded_to(micro_batches, count if self.lockstep.expert_parallel else 1,
+                                      self.sequence_packing)
         micro_batches = [mb.to(device) for mb in micro_batches]
         self.tokens_run += sum(mb.tokens.numel() for mb in micro_batches)
         self.padding_run += sum(mb.padding_tokens for mb in micro_batches)
