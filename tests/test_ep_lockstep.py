@@ -23,7 +23,8 @@ import pytest
 from exgrpo_megatron.config.loader import load_config
 from tests.helpers.multirank import run_on_ranks
 
-RUN_TIMEOUT_S = 420.0  # one EP run takes ~1-2 min on a busy 2-core machine; a hang ends here, not at gloo's 30 min
+RUN_TIMEOUT_S = 420.0  # one trainer run takes ~1-2 min on a busy 2-core machine; a hang ends here, not at gloo's 30 min
+PASS_TIMEOUT_S = 150.0  # the passes with one empty rank: ~15 s
 NOT_COMPARED = ("time/", "throughput/", "train/padding_share")  # wall clock; EP pads to the busiest rank's count
 # fp32: an EP=2 expert GEMM holds both ranks' tokens, an EP=1 one a rank's own, so sums round differently (~1e-7 of a
 # logit); the ratio metrics exp() that, a few 1e-6 relative after a few steps
@@ -86,8 +87,8 @@ def passes_with_one_empty_rank(ep: int) -> dict:
 
 
 def test_a_rank_without_work_joins_every_pass_at_ep2():
-    ref = run_on_ranks(passes_with_one_empty_rank, 2, args=(1,), timeout=RUN_TIMEOUT_S)
-    got = run_on_ranks(passes_with_one_empty_rank, 2, args=(2,), timeout=RUN_TIMEOUT_S)
+    ref = run_on_ranks(passes_with_one_empty_rank, 2, args=(1,), timeout=PASS_TIMEOUT_S)
+    got = run_on_ranks(passes_with_one_empty_rank, 2, args=(2,), timeout=PASS_TIMEOUT_S)
     empty = got[1]
     assert empty["logprobs"] == [] and empty["losses"] == [] and empty["samples"] == []
     assert [s[0] for s in empty["sites"]] == ["old_logprobs", "update"] and all(m == 0 for _, m, _ in empty["sites"])
