@@ -58,7 +58,8 @@ class Lockstep:
         self.site = site
         agreed = count
         if self.ep_group is not None or (gradient_sync and dist.get_world_size() > 1):
-            largest = torch.tensor([count], dtype=torch.long)
+            on_gpu = dist.get_backend() == "nccl"  # NCCL reduces GPU tensors only
+            largest = torch.tensor([count], dtype=torch.long, device="cuda" if on_gpu else "cpu")
             dist.all_reduce(largest, op=dist.ReduceOp.MAX)
             agreed = int(largest.item())
         for observe in self.observers:
