@@ -36,7 +36,8 @@ def _overrides(run_dir: str, sft_dir: str, ep: int, extra: tuple[str, ...]) -> l
             f"trainer.sft_cache_dir={sft_dir}", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
             "logging.progress_bar=false", "trainer.train_batch_size=4", "trainer.ppo_mini_batch_size=2",
             "rollout.n=4", "data.max_response_length=24", "data.num_val_examples=1", "checkpoint.save_every=100",
-            *extra]
+            # a grading timeout on a loaded machine would change a reward in one run only
+            "reward.timeout_seconds=30", "reward.hard_deadline_seconds=120", *extra]
 
 
 # ------------------------------------------------------------------------- one rank with work, the other with none
@@ -163,9 +164,9 @@ def train_recording_sites(overrides: list[str]) -> dict:
             "first_round_rewards": first_round_rewards}
 
 
-def _run(tmp_path, sft_dir: str, ep: int, extra: tuple[str, ...]) -> list[dict]:
+def _run(tmp_path, sft_dir: str, ep: int, extra: tuple[str, ...], world: int = 2) -> list[dict]:
     run_dir = str(tmp_path / f"ep{ep}")
-    return run_on_ranks(train_recording_sites, 2, args=(_overrides(run_dir, sft_dir, ep, extra),),
+    return run_on_ranks(train_recording_sites, world, args=(_overrides(run_dir, sft_dir, ep, extra),),
                         timeout=RUN_TIMEOUT_S)
 
 
@@ -177,9 +178,9 @@ def _assert_same_steps(got: list[dict], ref: list[dict]) -> None:
             if key.startswith(NOT_COMPARED):
                 continue
             if isinstance(v, float) and not (math.isnan(v) and math.isnan(g[key])):
-                assert g[key] == pytest.approx(v, rel=REL, abs=ABS), (r["step"], key)
+                assert g[key] == pytest.approx(v, rel=REL, abs=ABS), (r["step"], key, g[key], v)
             elif not isinstance(v, float):
-                assert g[key] == v, (r["step"], key)
+                assert g[key] == v, (r["step"], key, g[key], v)
 
 
 def _uneven(per_rank: list[dict], site: str) -> list[int]:
@@ -233,3 +234,17 @@ def test_dapo_at_ep2_with_a_rank_whose_groups_are_all_filtered_equals_ep1(tmp_pa
     assert emptied, [r["first_round_rewards"] for r in got]
     refill = [(step, n) for r in got for step, n in r["rounds"]]
     assert any(n == 0 for _, n in refill), refill  # a rank with nothing to refill joined the other's round
+
+
+def test_dp2_by_ep2_on_four_ranks_with_unequal_ranks_equals_ep1(tmp_path, sft_cache_dir):
+    """Four ranks, two EP groups of two (DP=4 either way): the agreement spans both groups, so a pass that one
+    group has no work for still joins the other's gradient sync; every logged number equals EP=1's."""
+    extra = ("trainer.total_steps=4", "trainer.val_every=4", "data.num_val_examples=3", "trainer.train_batch_size=8",
+             "trainer.ppo_mini_batch_size=4", "experience.delayed_start_pass_rate=0", "seed=11")
+    ref = _run(tmp_path, sft_cache_dir, 1, extra, world=4)
+    got = _run(tmp_path, sft_cache_dir, 2, extra, world=4)
+    _assert_same_steps(got[0]["metrics"], ref[0]["metrics"])
+    assert any(m["experience/n_replayed"] > 0 for m in got[0]["metrics"]) and "val/avg@1" in got[0]["metrics"][-1]
+    assert _uneven(got, "replay_scores") or _uneven(got, "old_logprobs"), [r["sites"] for r in got]
+    agreed = [[(s[0], s[1], s[3]) for s in r["sites"] if s[1] != "idle_round"] for r in got]
+    assert all(a == agreed[0] for a in agreed)
