@@ -27,8 +27,9 @@ RUN_TIMEOUT_S = 420.0  # one trainer run takes ~1-2 min on a busy 2-core machine
 PASS_TIMEOUT_S = 150.0  # the passes with one empty rank: ~15 s
 NOT_COMPARED = ("time/", "throughput/", "train/padding_share")  # wall clock; EP pads to the busiest rank's count
 # fp32: an EP=2 expert GEMM holds both ranks' tokens, an EP=1 one a rank's own, so sums round differently (~1e-7 of a
-# logit); the ratio metrics exp() that, a few 1e-6 relative after a few steps
-REL, ABS = 1e-5, 1e-7
+# logit); through a few updates that reaches ~1e-5 relative (measured: the grad norm of a fourth step at 4 ranks,
+# 1.0e-5), so the bound is tests/test_moe_parallel.py's trainer bound, 1e-4. A lost or extra gradient is far larger.
+REL, ABS = 1e-4, 1e-7
 
 
 def _overrides(run_dir: str, sft_dir: str, ep: int, extra: tuple[str, ...]) -> list[str]:
