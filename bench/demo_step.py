@@ -89,7 +89,7 @@ def _pass_counter(per_step: list[dict]):
         def step_started(self, step) -> None:
             self.counts.clear()
 
-        def policy_pass(self, step, micro_batches, forward_only) -> None:
+        def policy_pass(self, step, site, micro_batches, forward_only) -> None:
             kind = "forward_only" if forward_only else "train"
             for mb in micro_batches:
                 mask = mb.loss_mask.bool()

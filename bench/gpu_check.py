@@ -200,8 +200,9 @@ def _numerics_arm(dtype: str, rollouts: str, smoke: bool) -> dict:
         rows = build_rollout_rows(samples, rewards, c.algorithm.advantages)
         batch, _ = with_old_logprobs(c, rows, groups)
         (update,) = update_policy(c, batch, len(groups), Phase.MIXED)
-        after = token_stats(c.policy, rows.sequences, rows.prompt_lengths, temperature=c.settings.sampling.temperature,
-                            with_entropy=False, max_tokens=c.settings.micro_batch_max_tokens).logprobs
+        after = token_stats(c.policy, rows.sequences, rows.prompt_lengths, site="gpu_check",
+                            temperature=c.settings.sampling.temperature, with_entropy=False,
+                            max_tokens=c.settings.micro_batch_max_tokens).logprobs
         assert batch.old_logprobs is not None
         return {"device": str(layout.device), "dtype": dtype,
                 "old_logprobs": torch.cat(batch.old_logprobs).double().tolist(),

@@ -66,8 +66,10 @@ class StepObserver:
     def updated(self, step: int, update: int, metrics: UpdateMetrics) -> None:
         """One mini-batch update done: the optimizer step's result and the loss metrics of its micro-batches."""
 
-    def policy_pass(self, step: int, micro_batches: list[MicroBatch], forward_only: bool) -> None:
-        """Any pass through the policy (pi_old, the selection's scores, an update), before it runs."""
+    def policy_pass(self, step: int, site: str, micro_batches: list[MicroBatch], forward_only: bool) -> None:
+        """Any pass through the policy that runs on this rank, before it runs: `site` names it ("replay_scores",
+        "old_logprobs", "update", distributed/lockstep.py); under expert parallelism `micro_batches` may be empty (the
+        rank joins the others' pass with padding)."""
 
     def step_finished(self, step: int, metrics: dict[str, Any]) -> None:
         """The step's logged metrics."""
@@ -130,9 +132,9 @@ class StepObservers:
         for o in self.observers:
             o.updated(self.step, update, metrics)
 
-    def policy_pass(self, micro_batches: list[MicroBatch], forward_only: bool) -> None:
+    def policy_pass(self, site: str, micro_batches: list[MicroBatch], forward_only: bool) -> None:
         for o in self.observers:
-            o.policy_pass(self.step, micro_batches, forward_only)
+            o.policy_pass(self.step, site, micro_batches, forward_only)
 
     def step_finished(self, metrics: dict[str, Any]) -> None:
         for o in self.observers:

@@ -235,7 +235,7 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase)
         loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=normalisers, temperature=s.sampling.temperature,
                              vocab_size=s.vocab_size, observe=observe)
         c.policy.zero_grad()
-        metrics = c.policy.forward_backward(mbs, loss_fn) if mbs else []
+        metrics = c.policy.forward_backward(mbs, loss_fn, site="update")  # every rank, rows or not
         mismatch = pop_mismatch(metrics)
         loss_metrics = tuple({k: float(v) for k, v in m.items()} for m in metrics)
         updates.append(UpdateMetrics(c.policy.optimizer_step(s.skip_grad_bound), loss_metrics, mismatch))

@@ -158,7 +158,8 @@ def _policy_run(model_name: str, tp: int) -> dict:
         output_layer_calls.clear()
         policy.fused_output_logprobs = fused
         policy.eval()
-        logp, ent, _ = token_stats(policy, seqs, prompts, temperature=0.7, with_entropy=True, max_tokens=40)
+        logp, ent, _ = token_stats(policy, seqs, prompts, site="test", temperature=0.7, with_entropy=True,
+                                   max_tokens=40)
         old = [lp + 0.05 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(i)) for i, lp in
                enumerate(logp)]
         mbs = micro_batches_for_update(TrainBatch.of(rows, old), list(range(5)), max_tokens=40)
@@ -167,7 +168,7 @@ def _policy_run(model_name: str, tp: int) -> dict:
                              temperature=0.7, vocab_size=cfg.model.vocab_size)
         policy.train()
         policy.zero_grad()
-        metrics = policy.forward_backward(mbs, loss_fn)
+        metrics = policy.forward_backward(mbs, loss_fn, site="test")
         loss = float(sum(m["pg_loss"] - m["entropy_bonus"] for m in metrics))
         out[fused] = {"logp": logp, "entropy": ent, "loss": loss, "output_layer_calls": len(output_layer_calls),
                       "n_micro": len(mbs), "grads": full_tensors(policy.modules, "grad")}

@@ -41,7 +41,7 @@ def _step(cfg, layout, policy, seed: int) -> None:
     counts = global_loss_counts([batch.response_lengths[i] for i in mine], ps.get_data_parallel_group())
     loss_fn = rl_loss_fn(algorithm, phase=Phase.MIXED, normalisers=algorithm.normalisers(*counts), temperature=1.0)
     policy.zero_grad()
-    policy.forward_backward(micro_batches_for_update(batch, mine, max_tokens=32, packed=True), loss_fn)
+    policy.forward_backward(micro_batches_for_update(batch, mine, max_tokens=32, packed=True), loss_fn, site="test")
     policy.optimizer_step(skip_grad_bound=1e9)
 
 

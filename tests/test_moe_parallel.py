@@ -55,10 +55,10 @@ def rl_step(ep: int, init: dict | None) -> dict:
     loss_fn = rl_loss_fn(algorithm, phase=Phase.MIXED, normalisers=algorithm.normalisers(*counts), temperature=1.0)
     mbs = micro_batches_for_update(batch, mine, max_tokens=32, packed=True)
     policy.zero_grad()
-    metrics = policy.forward_backward(mbs, loss_fn)
+    metrics = policy.forward_backward(mbs, loss_fn, site="test")
     grads = full_tensors(policy.modules, "grad")
     result = policy.optimizer_step(skip_grad_bound=1e9)
-    policy.forward_backward(mbs, loss_fn, forward_only=True)  # not an update: its routing is not counted
+    policy.forward_backward(mbs, loss_fn, forward_only=True, site="test")  # not an update: its routing is not counted
     load = policy.expert_load.take_metrics(ps.get_data_parallel_group())
     return {"initial": initial, "metrics": metrics, "load": load, "grads": grads, "grad_norm": result.grad_norm,
             "weights": full_tensors(policy.modules, "data"), "ep": layout.ep_size, "n_micro": len(mbs)}

@@ -58,7 +58,7 @@ def _run(tp: int, pp: int, model_name: str, init: dict | None, dtype: str, micro
     plan = plan_micro_batches(lengths, micro_tokens)
     mbs = [collate(seqs, prompts, [my_rows[j] for j in rows]) for rows in plan]
     policy.zero_grad()
-    metrics = policy.forward_backward(mbs, _ce_loss(normaliser))
+    metrics = policy.forward_backward(mbs, _ce_loss(normaliser), site="test")
     local_loss = torch.stack([m["loss_sum"] for m in metrics]).sum()
     torch.distributed.all_reduce(local_loss, group=ps.get_data_parallel_group())
     grads = full_tensors(policy.modules, "grad")

@@ -101,7 +101,7 @@ def replay_in_a_training_pass(packed: bool) -> dict:
         """An update's forward and backward (no optimizer step): its loss, the experts it routed to, the metrics."""
         policy.zero_grad()
         with recording(hooks) as take:
-            loss = policy.forward_backward(mbs, loss_fn)[0]["pg_loss"]
+            loss = policy.forward_backward(mbs, loss_fn, site="test")[0]["pg_loss"]
             b, s = mbs[0].tokens.shape
             routed = take(s, b)  # [s, b, layers, k]
         return loss, routed, policy.routing.take_metrics(None)
@@ -161,13 +161,13 @@ def replayed_update_with_recompute(recompute: bool) -> dict:
     loss_fn = rl_loss_fn(algorithm, phase=Phase.MIXED, normalisers=(29.0, 29.0), temperature=1.0)
     mbs, seqs = _micro_batches(True, None)
     with recording(policy.routing.hooks) as take:
-        policy.forward_backward(mbs, loss_fn, forward_only=True)
+        policy.forward_backward(mbs, loss_fn, forward_only=True, site="test")
         own = take(mbs[0].tokens.shape[1], 1)[:, 0]  # packed: one row, [tokens, layers, k]
     starts = [int(c) for c in mbs[0].cu_seqlens[:-1]]
     by_row = {r: own[c: c + len(seqs[r]) - 1] for r, c in zip(mbs[0].rows, starts, strict=True)}
     shifted = [(by_row[0] + 1) % 4, None, (by_row[2] + 1) % 4]
     policy.zero_grad()
-    loss = policy.forward_backward(_micro_batches(True, shifted)[0], loss_fn)[0]["pg_loss"]
+    loss = policy.forward_backward(_micro_batches(True, shifted)[0], loss_fn, site="test")[0]["pg_loss"]
     return {"loss": float(loss), "grads": full_tensors(policy.modules, "grad"),
             "recompute": policy.modules[0].config.recompute_granularity}
 
@@ -215,7 +215,7 @@ class _RoutingSeen:
                         seen["equal"] += int(np.array_equal(np.sort(used[col: col + len(c), row], -1),
                                                             np.sort(c, -1)))
 
-            def policy_pass(self, step, micro_batches, forward_only) -> None:
+            def policy_pass(self, step, site, micro_batches, forward_only) -> None:
                 for h in self.hooks:  # record what every pass routes to (read back in loss_computed)
                     h.recording = True
 

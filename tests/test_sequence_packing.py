@@ -166,7 +166,7 @@ def _policy_run(tp: int, pp: int, overrides: tuple[str, ...], init: dict | None 
     normaliser = float(sum(len(s) - p for s, p in zip(seqs, prompts, strict=True)))
     mbs = make_micro_batches(seqs, prompts, list(range(len(seqs))), 48, cfg.trainer.sequence_packing)
     policy.zero_grad()
-    metrics = policy.forward_backward(mbs, _ce_loss(normaliser))
+    metrics = policy.forward_backward(mbs, _ce_loss(normaliser), site="test")
     loss = float(torch.stack([m["loss_sum"] for m in metrics]).sum())
     return {"loss": loss, "grads": full_tensors(policy.modules, "grad"),
             "initial": full_tensors(policy.modules, "data"),

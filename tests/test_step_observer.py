@@ -58,7 +58,7 @@ class Recorder(StepObserver):
     def updated(self, step, update, metrics) -> None:
         self._at(step, "updated")["updates"][update]["loss_metrics"] = len(metrics.loss_metrics)
 
-    def policy_pass(self, step, micro_batches, forward_only) -> None:
+    def policy_pass(self, step, site, micro_batches, forward_only) -> None:
         self._at(step, "policy_pass")["passes"].append(forward_only)
 
     def step_finished(self, step, metrics) -> None:

@@ -75,10 +75,10 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
             loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=normalisers,
                                  temperature=s.sampling.temperature, vocab_size=s.vocab_size)
             c.policy.zero_grad()
-            m_off = c.policy.forward_backward(off, loss_fn)
+            m_off = c.policy.forward_backward(off, loss_fn, site="test")
             g_off = grads(c.policy)
             c.policy.zero_grad()
-            m_on = c.policy.forward_backward(micro_batches, loss_fn)
+            m_on = c.policy.forward_backward(micro_batches, loss_fn, site="test")
             g_on = grads(c.policy)
             c.policy.zero_grad()
             rec["updates"].append({

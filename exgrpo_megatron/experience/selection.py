@@ -91,18 +91,21 @@ def select_trajectory_index(scores: CandidateScores | None, metric: str, num_can
 def choose_trajectories(qids: Sequence[int], candidates: Sequence[list[Trajectory]], metric: str,
                         scorer: Scorer | None, rng: np.random.Generator, mode: str = "argmin"
                         ) -> list[tuple[Trajectory, np.ndarray | None]]:
-    """One (trajectory, current log-probs or None) per question. Only questions with >= 2 candidates are sent to
-    the scorer (one call for all of them); with metric 'random' the scorer is not called. The log-probs are the
-    scorer's `token_logprobs` of the chosen candidate (None when it was not scored or returned none).
+    """One (trajectory, current log-probs or None) per question. The questions with >= 2 candidates are sent to
+    the scorer in one call -- made whenever the metric needs scores, even with no such question here: the scorer is
+    a model pass, which under expert parallelism every rank joins (distributed/lockstep.py), so no rank may skip it on
+    its own draw. With metric 'random' the scorer is not called. The log-probs are the scorer's `token_logprobs` of
+    the chosen candidate (None when it was not scored or returned none).
     `mode`: argmin (lowest metric, the paper's rule) or argmax (the highest-entropy ablation)."""
     if metric not in SELECTION_METRICS:
         raise ValueError(f"unknown selection metric {metric!r}; expected one of {SELECTION_METRICS}")
     scored: dict[int, CandidateScores] = {}
     if metric != "random":
         multi = [i for i, c in enumerate(candidates) if len(c) > 1]
-        if multi:
-            if scorer is None:
+        if scorer is None:
+            if multi:
                 raise ValueError(f"metric {metric!r} needs a scorer")
+        else:
             results = scorer([qids[i] for i in multi], [candidates[i] for i in multi])
             if len(results) != len(multi):
                 raise ValueError(f"scorer returned {len(results)} results for {len(multi)} questions")

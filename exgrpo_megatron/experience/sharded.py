@@ -12,7 +12,10 @@ Global semantics of `sample(n, seed)` (docs/exgrpo.md, with the pool split over 
      from the global bucket; each rank then draws its share uniformly without replacement from its
      shard (a rank-specific rng), so the union is uniform without replacement over the global bucket;
   4. each rank picks a trajectory per drawn question with its scorer (a forward on its own replica), keeping
-     the scorer's current-policy log-probs of the chosen one (they travel with the choice);
+     the scorer's current-policy log-probs of the chosen one (they travel with the choice). Every rank calls the
+     scorer whenever questions are drawn (n_exp > 0, the same on every rank) and the metric needs scores, with
+     its own multi-candidate questions or none: under expert parallelism the scorer's forward is a collective
+     of the ranks (distributed/lockstep.py);
   5. the choices are all-gathered and sorted by qid: every rank returns the same list.
 
 TP/PP ranks of one replica: megatron's DP group connects the ranks with the same (tp, pp)
@@ -92,7 +95,8 @@ class ShardedExperiencePool:
         choose one stored trajectory each; identical result on every rank, sorted by qid.
 
         rng_seed (>= 0) must be the same on all ranks (e.g. hash of (seed, step)). The scorer is
-        called at most once, on this rank's drawn questions that hold >= 2 candidates.
+        called exactly once on every rank when n_exp > 0 and the metric needs scores, with this rank's drawn
+        questions that hold >= 2 candidates (possibly none).
         """
         if rng_seed < 0:
             raise ValueError("rng_seed must be >= 0")

@@ -54,7 +54,7 @@ def old_logprobs(policy: Policy, batch: RolloutRows, replay_current: list[np.nda
         raise ValueError(f"old log-prob source must be 'rollout', 'training_forward' or 'recompute', got {source!r}")
     experts = None if batch.expert_choices is None else [batch.expert_choices[i] for i in forward]
     computed = token_stats(policy, [batch.sequences[i] for i in forward], [batch.prompt_lengths[i] for i in forward],
-                           temperature=temperature, with_entropy=False, max_tokens=max_tokens,
+                           site="old_logprobs", temperature=temperature, with_entropy=False, max_tokens=max_tokens,
                            expert_choices=experts).logprobs
     old: list[torch.Tensor | None] = [None] * n
     for i, lp in zip(forward, computed, strict=True):

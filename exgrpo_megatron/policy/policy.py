@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from exgrpo_megatron.config.derived import updates_per_step
 from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.distributed.lockstep import Lockstep
 from exgrpo_megatron.distributed.threads import torch_threads, train_threads_from_env
 from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
 from exgrpo_megatron.model.expert_load import ExpertLoad
@@ -31,7 +32,7 @@ from exgrpo_megatron.model.layout_init import initialise
 from exgrpo_megatron.model.moe import expert_parallel_group
 from exgrpo_megatron.model.routing_replay import RoutingReplay
 from exgrpo_megatron.policy.batch import MicroBatch, forward_inputs
-from exgrpo_megatron.policy.expert_sync import equalise_micro_batch_count, is_padding, router_losses_off
+from exgrpo_megatron.policy.expert_sync import is_padding, padded_to, router_losses_off
 from exgrpo_megatron.policy.output_layer import LastStageOutput, stop_before_output_layer
 
 if TYPE_CHECKING:
@@ -77,8 +78,9 @@ class Policy:
         self.use_mask = resolve_layer_spec(cfg.model) == "local" and cfg.model.core_attention == "megatron"
         self.tokens_run = self.padding_run = 0  # token slots through the model / of them padding, since taken
         self._counting_load = False  # forward_backward of a training update: the MoE routers' loads are counted
-        # called with (micro_batches, forward_only) before every pass (the trainer's observers: step_observer.py)
-        self.pass_observers: list[Callable[[list[MicroBatch], bool], None]] = []
+        # called with (site, micro_batches, forward_only) before every pass that runs on this rank (the trainer's
+        # observers: step_observer.py)
+        self.pass_observers: list[Callable[[str, list[MicroBatch], bool], None]] = []
         tcfg = self.modules[0].config
         tcfg.variable_seq_lengths = True  # micro-batches differ in length and rows
         ddp_cfg = DistributedDataParallelConfig(
@@ -115,8 +117,9 @@ class Policy:
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.train_threads = train_threads_from_env(cfg.trainer.train_threads, dist.get_world_size())
-        # MoE with EP > 1: the EP ranks hold different data but run every forward together (policy/expert_sync.py)
+        # MoE with EP > 1: the EP ranks hold different data but run every forward together (distributed/lockstep.py)
         self.ep_group = expert_parallel_group(self.modules[0])
+        self.lockstep = Lockstep(self.ep_group)
         self.expert_load = ExpertLoad(self.modules)  # MoE: tokens per expert of the training updates
         # MoE: the engine records each token's experts; every pass compares (and with moe_routing_replay replays) them
         self.routing = RoutingReplay(self.modules, replay=cfg.model.moe_routing_replay)
@@ -168,17 +171,26 @@ class Policy:
 
         return output, loss_func
 
-    def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn,
-                         forward_only: bool = False) -> list[dict[str, torch.Tensor]]:
+    def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool = False, *,
+                         site: str) -> list[dict[str, torch.Tensor]]:
         """Run the megatron schedule over the micro-batches; returns the loss_fn metrics of each
-        micro-batch on every pipeline stage (broadcast from the last stage)."""
+        micro-batch on every pipeline stage (broadcast from the last stage).
+
+        The one entry of every model pass (`site` names it, distributed/lockstep.py). Every rank calls it at every pass
+        site, with its own micro-batches, possibly none: under expert parallelism the ranks agree on the count and
+        pad to it; a training pass with none here joins the others' gradient sync with one padding micro-batch; all
+        return [] when every rank's list is empty (a forward-only pass at EP = 1: when this rank's is)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        count = self.lockstep.agree(site, len(micro_batches), gradient_sync=not forward_only)
+        if count == 0:
+            return []
         for observe in self.pass_observers:
-            observe(micro_batches, forward_only)
+            observe(site, micro_batches, forward_only)
         device = next(self.modules[0].parameters()).device
-        if self.ep_group is not None:
-            micro_batches = equalise_micro_batch_count(micro_batches, self.ep_group, self.sequence_packing)
+        if self.lockstep.expert_parallel or not micro_batches:
+            micro_batches = padded_to(micro_batches, count if self.lockstep.expert_parallel else 1,
+                                      self.sequence_packing)
         micro_batches = [mb.to(device) for mb in micro_batches]
         self.tokens_run += sum(mb.tokens.numel() for mb in micro_batches)
         self.padding_run += sum(mb.padding_tokens for mb in micro_batches)

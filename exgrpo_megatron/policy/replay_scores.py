@@ -34,8 +34,8 @@ def make_scorer(policy: Policy, max_tokens: int, dataset: PromptDataset,
                 plens.append(len(prompt))
                 owner.append(i)
         policy.eval()
-        stats = token_stats(policy, seqs, plens, temperature=SELECTION_TEMPERATURE, with_entropy=True,
-                            max_tokens=max_tokens, logprob_temperature=logprob_temperature)
+        stats = token_stats(policy, seqs, plens, site="replay_scores", temperature=SELECTION_TEMPERATURE,
+                            with_entropy=True, max_tokens=max_tokens, logprob_temperature=logprob_temperature)
         out_ent: list[list[float]] = [[] for _ in qids]
         out_nll: list[list[float]] = [[] for _ in qids]
         out_lp: list[list[np.ndarray]] = [[] for _ in qids]

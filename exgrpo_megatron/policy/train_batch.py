@@ -90,25 +90,22 @@ class TokenStats(NamedTuple):
     logprobs_at: list[torch.Tensor] | None  # per row, at `logprob_temperature` (when given)
 
 
-def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list[int], *, temperature: float,
-                with_entropy: bool, max_tokens: int, logprob_temperature: float | None = None,
+def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list[int], *, site: str,
+                temperature: float, with_entropy: bool, max_tokens: int, logprob_temperature: float | None = None,
                 expert_choices: list[np.ndarray | None] | None = None) -> TokenStats:
-    """Per-row log-probs (and entropies) of the response tokens under the current weights, one forward pass;
-    with `logprob_temperature`, also the log-probs at that temperature from the same logits; `expert_choices`: the
-    rows' recorded MoE routing (replayed as in the updates)."""
+    """Per-row log-probs (and entropies) of the response tokens under the current weights, one forward pass (the
+    policy's pass `site`; every rank calls it, with no rows too: distributed/lockstep.py); with `logprob_temperature`,
+    also the log-probs at that temperature from the same logits; `expert_choices`: the rows' recorded MoE routing
+    (replayed as in the updates)."""
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     keys += ["logprobs_at"] if logprob_temperature is not None else []
-    got: dict[str, list[torch.Tensor]]
-    if not sequences:
-        got = {k: [] for k in keys}
-    else:
-        lengths = [len(s) for s in sequences]
-        mbs = make_micro_batches(sequences, prompt_lengths, list(range(len(sequences))), max_tokens,
-                                 policy.sequence_packing)
-        with_expert_choices(mbs, expert_choices)
-        stats_fn = token_stats_fn(temperature, with_entropy, policy.model_cfg.vocab_size, logprob_temperature)
-        out = policy.forward_backward(mbs, stats_fn, forward_only=True)
-        got = {k: scatter_rows([o[k] for o in out], mbs, lengths, prompt_lengths) for k in keys}
+    lengths = [len(s) for s in sequences]
+    mbs = make_micro_batches(sequences, prompt_lengths, list(range(len(sequences))), max_tokens,
+                             policy.sequence_packing)
+    with_expert_choices(mbs, expert_choices)
+    stats_fn = token_stats_fn(temperature, with_entropy, policy.model_cfg.vocab_size, logprob_temperature)
+    out = policy.forward_backward(mbs, stats_fn, forward_only=True, site=site)
+    got = {k: scatter_rows([o[k] for o in out], mbs, lengths, prompt_lengths) for k in keys}
     return TokenStats(got["logprobs"], got.get("entropy"), got.get("logprobs_at"))
 
 

@@ -88,7 +88,7 @@ def train_warm_start(cfg: RootConfig, tokenizer: Tokenizer, out_dir: Path) -> No
         plan = plan_micro_batches([len(seqs[i]) for i in mine], t.micro_batch_max_tokens)
         mbs = [collate(seqs, plens, [mine[j] for j in rows_]) for rows_ in plan]
         policy.zero_grad()
-        out = policy.forward_backward(mbs, _ce_loss(normaliser, cfg.model.vocab_size))
+        out = policy.forward_backward(mbs, _ce_loss(normaliser, cfg.model.vocab_size), site="warm_start")
         policy.optimizer_step(skip_grad_bound=float("inf"))
         if (step + 1) % 50 == 0 and dist.get_rank() == 0:
             nll = float(sum(o["nll_sum"] for o in out)) * dp / normaliser

@@ -30,8 +30,6 @@ def generate_groups(engine: RolloutEngine, groups: list[QuestionGroup], k: int, 
     """Samples of every group (in `groups` order); `on_chunk(indices, samples)` for the groups of each engine
     batch as it finishes (indices ascending within a batch)."""
     out: list[list[Sample]] = [[] for _ in groups]
-    if not groups:
-        return out
 
     def finished(positions: list[int], samples: list[list[Sample]]) -> None:
         for i, group_samples in zip(positions, samples, strict=True):
@@ -44,7 +42,8 @@ def generate_groups(engine: RolloutEngine, groups: list[QuestionGroup], k: int, 
             on_chunk(positions, [out[i] for i in positions])
 
     counts = [k if g.replay is None else k - 1 for g in groups]
-    n: int | list[int] = counts[0] if len(set(counts)) == 1 else counts  # one count where every group has it
+    n: int | list[int] = counts if len(set(counts)) > 1 else (counts[0] if counts else k)  # one count if all share it
+    # called with no groups too: under expert parallelism the megatron engine's forwards are rounds every rank joins
     engine.generate([g.prompt_ids for g in groups], n, params, request_seeds=[g.qid for g in groups],
                     on_prompts_done=finished)
     if missing := [i for i, samples in enumerate(out) if not samples]:

@@ -33,10 +33,12 @@ up to fp rounding of the logits (tested).
    different batch/padding shapes (~1e-7), which changes a token only when the uniform falls within
    that distance of a CDF boundary.
 5. Expert parallelism (MoE, EP > 1). Every MoE layer of every forward exchanges tokens among the EP ranks, which
-   generate different prompts and so run different numbers of forwards. Each forward is therefore one round of the
-   EP group: a flag all-reduced over it says whether any rank still generates, and a rank that has finished joins
-   every remaining round with a one-token forward of its own (no cache, its output unused) until none generates.
-   The `alltoall` dispatcher carries the differing token counts.
+   generate different prompts (or none) with different response lengths and so run different numbers of forwards.
+   Each forward is therefore one round agreed through the run's `Lockstep` (distributed/lockstep.py, site
+   "generate"): every rank says whether it still generates, and a rank that has finished -- or had no prompt at
+   all: `generate` with no prompts still joins -- runs every remaining round with a one-token forward of its own
+   (no cache, its output unused) until none generates. The `alltoall` dispatcher carries the differing token
+   counts. Callers must call `generate` on every rank, with an empty prompt list where a rank has none.
 6. Stops. EOS -> "eos", a `stop_token_ids` token -> "stop" (the token stays in the response and
    has its log-prob), a decoded stop string -> "stop" with the response truncated right after the
    token that completed the string (text past the string inside that last token is kept; tokens
@@ -55,6 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from exgrpo_megatron.distributed.lockstep import Lockstep
 from exgrpo_megatron.model.moe import expert_parallel_group
 from exgrpo_megatron.model.routing_replay import recording, router_choices
 from exgrpo_megatron.rollout.kv_decode import KVCacheStage, attention_mask, profile_range, unsupported_reason
@@ -78,6 +81,7 @@ from exgrpo_megatron.rollout.types import (
 )
 
 Row = tuple[int, int, int]  # (prompt index, sample index, row seed)
+GENERATE_SITE = "generate"  # the Lockstep site of the engine's forward rounds
 
 
 def unwrap_model(model):
@@ -184,7 +188,7 @@ class MegatronRolloutEngine:
         self.tokens_per_second = 0.0
         self.last_stats: dict[str, float] = {}
         self.routers = router_choices(self.model)  # MoE: each token's experts are recorded (model/routing_replay.py)
-        self.ep_group = expert_parallel_group(self.model)  # MoE at EP > 1: forwards in rounds (docstring, 5.)
+        self.lockstep = Lockstep(expert_parallel_group(self.model))  # MoE at EP > 1: forwards in rounds (docstring, 5.)
 
     # ---------------------------------------------------------------- RolloutEngine protocol
     def update_weights(self) -> None:
@@ -355,16 +359,12 @@ class MegatronRolloutEngine:
         return mask_padded_vocab(logits, self.vocab_size) if self.vocab_size is not None else logits
 
     def _ep_round(self, generating: bool) -> bool:
-        """One forward round of the EP group (docstring, 5.): True while any of its ranks generates."""
-        if self.ep_group is None:
-            return generating
-        flag = torch.tensor([int(generating)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ep_group)
-        return bool(flag.item())
+        """One forward round (docstring, 5.): True while any rank still generates (EP = 1: `generating`)."""
+        return self.lockstep.agree(GENERATE_SITE, int(generating)) > 0
 
     def _finish_ep_rounds(self) -> None:
         """This rank is done: a one-token forward in every round another EP rank still generates."""
-        if self.ep_group is None:
+        if not self.lockstep.expert_parallel:
             return
         device = next(self.model.parameters()).device
         one = torch.zeros(1, 1, dtype=torch.long, device=device)

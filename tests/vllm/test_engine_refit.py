@@ -58,8 +58,8 @@ def refit_case(tp: int, pp: int, hf_dir: str, dtype: str = "fp32", family: str =
     samples = [s for g in vllm.generate(prompts, 2, sampled) for s in g]
     vllm.sleep()
     seqs = [s.prompt_ids + s.response_ids for s in samples]
-    ref = token_stats(policy, seqs, [len(s.prompt_ids) for s in samples], temperature=1.0, with_entropy=False,
-                      max_tokens=256).logprobs
+    ref = token_stats(policy, seqs, [len(s.prompt_ids) for s in samples], site="test", temperature=1.0,
+                      with_entropy=False, max_tokens=256).logprobs
     abs_diffs = [(torch.tensor(s.logprobs, dtype=torch.float64) - r.double()).abs() for s, r in zip(samples, ref,
                                                                                                       strict=True)]
     diffs = [float(d.max()) for d in abs_diffs]
