@@ -45,8 +45,8 @@ def planted_forward_observers(at_step: int) -> list:
         def rows_built(self, step: int, rows) -> None:
             if step == at_step and dist.get_rank() == 0:
                 with collective_pass("planted"):
-                    token_stats(self.policy, rows.sequences[:1], rows.prompt_lengths[:1], temperature=1.0,
-                                with_entropy=False, max_tokens=4096)
+                    token_stats(self.policy, rows.sequences[:1], rows.prompt_lengths[:1], site="planted",
+                                temperature=1.0, with_entropy=False, max_tokens=4096)
 
     return [PlantedForward()]
 

@@ -123,7 +123,7 @@ def _policy_step(tp: int, init: dict | None, distributed_optimizer: bool = False
     plan = plan_micro_batches([len(seqs[i]) for i in mine], 32)
     policy.zero_grad()
     metrics = policy.forward_backward([collate(seqs, prompts, [mine[j] for j in rows]) for rows in plan],
-                                      _ce_loss(normaliser))
+                                      _ce_loss(normaliser), site="update")
     loss = torch.stack([m["loss_sum"] for m in metrics]).sum()
     torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
     grads = full_tensors(policy.modules, "grad", trainable_only=True)

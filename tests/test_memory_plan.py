@@ -68,7 +68,8 @@ def allocated_after_one_update(overrides: list[str]) -> dict:
             for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
                 buffer.grad_data.fill_(1e-3)
     else:
-        policy.forward_backward(micro_batches_for_update(batch, rows, max_tokens=40, packed=True), loss_fn)
+        policy.forward_backward(micro_batches_for_update(batch, rows, max_tokens=40, packed=True), loss_fn,
+                                site="update")
     assert not policy.optimizer_step(skip_grad_bound=1e9).skipped
     params = {"dense": 0, "expert": 0}
     for module in policy.modules:
