@@ -49,10 +49,11 @@ def parse_model_config_yaml(text: str) -> dict[str, Any]:
 def model_differences(saved: dict[str, Any], current: ModelConfig) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
     """({field: (checkpoint value, config value)} of every compared field that differs, [the fields the checkpoint
     does not record although the config's model reads them])."""
+    saved = {"num_experts": 0, **saved}  # one written before mixtures of experts existed holds a dense model
     saved_view, current_view = compared_view(saved), compared_view(dataclasses.asdict(current))
     differences = {k: (saved_view[k], v) for k, v in current_view.items() if k in saved_view and saved_view[k] != v}
-    unrecorded = [k for k in current_view if k not in saved_view
-                  and not (k in MOE_ONLY_FIELDS and "num_experts" in saved)]
+    saved_dense = not saved["num_experts"]  # then num_experts differs: that is the refusal
+    unrecorded = [k for k in current_view if k not in saved_view and not (k in MOE_ONLY_FIELDS and saved_dense)]
     return differences, unrecorded
 
 
