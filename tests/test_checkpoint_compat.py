@@ -134,3 +134,14 @@ def test_allow_model_changes_names_are_validated(capsys):
     assert "checkpoint.allow_model_changes: 'num_experts' is not a model field" in err
     assert "checkpoint.allow_model_changes: 'model.rope_theta' is not a model field" in err
     assert "'rope_theta' is not" not in err
+
+
+def test_a_resume_announces_an_allowed_model_change():
+    from exgrpo_megatron.config.loader import load_config, to_yaml
+    from exgrpo_megatron.config.resume_changes import check_resume_config
+
+    saved = load_config("demo_moe_cpu")
+    now = load_config("demo_moe_cpu", ["model.rope_theta=10000.0", "checkpoint.allow_model_changes=[rope_theta]"])
+    lines = check_resume_config(to_yaml(saved), now, "ckpt")
+    assert lines == ["model.rope_theta: 1000000.0 -> 10000.0 (allowed by checkpoint.allow_model_changes: the saved "
+                     "weights compute another function)"]
