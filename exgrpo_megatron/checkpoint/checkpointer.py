@@ -125,8 +125,7 @@ class LoadedCheckpoint:
 
 
 def process_layout() -> dict[str, int]:
-    """World size and megatron's parallel sizes: RNG streams are only restorable when these match; the optimizer
-    state only at the saved EP and ETP (compat.check_expert_layout)."""
+    """World size and parallel sizes: RNG streams restore only when they match, Adam state only at the saved EP/ETP."""
     from megatron.core import parallel_state as ps
 
     return {
@@ -358,7 +357,7 @@ def load_checkpoint(
     files = root["files"]
     model_config_yaml = read_verified(path / MODEL_CONFIG_FILE, files[MODEL_CONFIG_FILE]).decode("utf-8")
     check_model_compatible(model_config_yaml, model_config, str(path), allow_model_changes)
-    current = process_layout()
+    current = process_layout()  # an older checkpoint without EP/ETP: compared on what it records (RNG below)
     if optimizer is not None:
         check_expert_layout(root["layout"], current, str(path))
     trainer_state = json.loads(read_verified(path / TRAINER_STATE_FILE, files[TRAINER_STATE_FILE]))
@@ -379,7 +378,6 @@ def load_checkpoint(
 
     rng_restored = False
     if load_rng:
-        # a checkpoint saved before EP/ETP were recorded: compared on what it records
         if all(root["layout"].get(k, v) == v for k, v in current.items()) and set(root["layout"]) <= set(current):
             rank = dist.get_rank()
             restore_rng_state(path / STATE_SUBDIR / RNG_SUBDIR, rank, root["rng"][str(rank)]["sha256"])
