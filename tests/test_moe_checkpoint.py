@@ -1,10 +1,11 @@
 """An EP=2 checkpoint of a Qwen3-MoE policy (model, optimizer, LR schedule) resumes bitwise at EP=2 (the step after
 the resume gives the weights of the uninterrupted run exactly) and its weights load at EP=1 (every expert where it
 belongs; the optimizer state does not: megatron-core keeps the experts' Adam state in an optimizer of its own only at
-EP > 1)."""
+EP > 1, so a full resume at EP=1 is refused at start-up naming parallel.expert_model_parallel_size)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from exgrpo_megatron.config.loader import load_config
@@ -73,8 +74,40 @@ def resume(path: str, ep: int) -> dict:
     return {"before": before, "loaded": loaded, "after": full_tensors(policy.modules, "data")}
 
 
-def test_ep2_checkpoint_resumes_bitwise_and_loads_at_ep1(tmp_path):
-    ref = run_on_ranks(save_then_continue, 2, args=(str(tmp_path / "run"),))[0]
+def resume_at_ep1_with_optimizer(path: str) -> dict:
+    """A full resume (the optimizer state too) at EP=1 of the EP=2 checkpoint: refused naming the key, before
+    megatron's KeyError; its weights alone (checkpoint.init_from) load at EP=1."""
+    from exgrpo_megatron.checkpoint import IncompatibleCheckpointError, load_checkpoint, load_model_weights
+
+    cfg, layout, policy = _policy(1)
+    out: dict = {}
+    try:
+        load_checkpoint(path, model_chunks=policy.modules, model_config=cfg.model, optimizer=policy.optimizer,
+                        opt_param_scheduler=policy.scheduler, load_rng=False, load_pool=False)
+        out["refused"] = None
+    except IncompatibleCheckpointError as err:
+        out["refused"] = str(err)
+    load_model_weights(path, policy.modules, model_config=cfg.model)
+    out["weights"] = full_tensors(policy.modules, "data")
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep2_checkpoint(tmp_path_factory) -> dict:
+    return run_on_ranks(save_then_continue, 2, args=(str(tmp_path_factory.mktemp("ep2") / "run"),))[0]
+
+
+def test_ep2_checkpoint_resumed_at_ep1_is_refused_naming_the_key_and_its_weights_load(ep2_checkpoint):
+    got = run_on_ranks(resume_at_ep1_with_optimizer, 2, args=(ep2_checkpoint["path"],))
+    for r in got:  # old code: megatron's KeyError (optimizer.state.exp_avg... not in state dict)
+        assert r["refused"] is not None and r["refused"].startswith("parallel.expert_model_parallel_size: ")
+        assert "saved at EP=2, this run has EP=1" in r["refused"] and "checkpoint.init_from=" in r["refused"]
+        for k, v in ep2_checkpoint["saved"].items():
+            assert torch.equal(r["weights"][k], v), k
+
+
+def test_ep2_checkpoint_resumes_bitwise_and_loads_at_ep1(ep2_checkpoint):
+    ref = ep2_checkpoint
     for ep in (2, 1):
         got = run_on_ranks(resume, 2, args=(ref["path"], ep))[0]
         assert any(not torch.equal(got["before"][k], v) for k, v in ref["saved"].items())  # the load changed them

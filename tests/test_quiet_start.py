@@ -38,7 +38,8 @@ def test_demo_entry_starts_with_the_startup_block_and_no_known_warning(tmp_path)
     # the demo's hidden size 128 is below the bf16 threshold: fp32 whatever the CPU, and the line says why
     assert first[1].startswith("exgrpo-train: CPU precision: fp32; ") and first[1].endswith(
         ("auto: hidden size 128 < 512", "auto: no bf16 matrix unit")), first[1]
-    assert first[2].startswith(f"exgrpo-train: run dir {tmp_path / 'run'}; layout TP=1 PP=1 DP=1 (world 1, cpu)")
+    assert first[2].startswith(
+        f"exgrpo-train: run dir {tmp_path / 'run'}; layout TP=1 PP=1 DP=1 EP=1 ETP=1 (world 1, cpu)")
     block = proc.stdout.splitlines()[3:6]
     assert block[1].startswith(
         "exgrpo-train: algorithm exgrpo; experience replay (displace): mixed phase once batch pass rate")

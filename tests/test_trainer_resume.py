@@ -301,7 +301,7 @@ def test_start_up_refusals_exit_2_naming_the_key_or_file_and_write_nothing(refer
     run_dir = tmp_path / "run"
     shutil.copytree(reference["run_dir"], run_dir)
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    for change, named in (("model.num_layers=3", "num_layers: checkpoint=2 current=3"),
+    for change, named in (("model.num_layers=3", "model.num_layers: checkpoint 2, config 3"),
                           ("algo.name=grpo", "algo.name: checkpoint 'exgrpo' -> config 'grpo'")):
         log = _train(run_dir, [*_overrides(reference["data"], N_STEPS), change,
                                f"checkpoint.init_from={reference['init']}"], expect=2, tag=change.split("=")[0])

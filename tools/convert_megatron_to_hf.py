@@ -10,12 +10,16 @@ tensor by tensor, any saved TP/PP/DP.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from exgrpo_megatron.checkpoint.layout import newest_if_run_dir
+from exgrpo_megatron.convert.hf_config import UnsupportedArchitectureError
 from exgrpo_megatron.convert.megatron_to_hf import convert_megatron_to_hf
 
+EXIT_REFUSED = 2
 
-def main(argv: list[str] | None = None) -> None:
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ckpt")
     parser.add_argument("out_dir")
@@ -27,10 +31,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-config", default=None, help="model_config.yaml when CKPT has none")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    files = convert_megatron_to_hf(newest_if_run_dir(args.ckpt), args.out_dir, args.dtype, args.tokenizer,
-                                   args.shard_size_gb, args.model_config, progress=not args.no_progress)
+    try:
+        files = convert_megatron_to_hf(newest_if_run_dir(args.ckpt), args.out_dir, args.dtype, args.tokenizer,
+                                       args.shard_size_gb, args.model_config, progress=not args.no_progress)
+    except (UnsupportedArchitectureError, FileNotFoundError) as exc:
+        print(f"convert_megatron_to_hf: {args.ckpt}: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     print(f"wrote {args.out_dir}: {len(files)} safetensors file(s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 import exgrpo_megatron.checkpoint.layout as L
-from exgrpo_megatron.checkpoint.compat import check_model_compatible
+from exgrpo_megatron.checkpoint.compat import check_expert_layout, check_model_compatible
 from exgrpo_megatron.checkpoint.disk import room_error, write_error_message
 from exgrpo_megatron.checkpoint.files import (
     FORMAT_VERSION,
@@ -125,10 +126,12 @@ class LoadedCheckpoint:
 
 
 def process_layout() -> dict[str, int]:
-    """World size and megatron's parallel sizes: RNG streams are only restorable when these match."""
+    """World size and parallel sizes: RNG streams restore only when they match, Adam state only at the saved EP/ETP."""
     from megatron.core import parallel_state as ps
 
     return {
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
         "world_size": dist.get_world_size(),
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
@@ -328,6 +331,7 @@ def load_checkpoint(
     opt_param_scheduler=None,
     load_rng: bool = True,
     load_pool: bool = True,
+    allow_model_changes: Sequence[str] = (),
 ) -> LoadedCheckpoint:
     """Load a trainer checkpoint into this layout (any TP/PP/DP). Collective.
 
@@ -341,7 +345,10 @@ def load_checkpoint(
     root = verify_checkpoint(path)
     files = root["files"]
     model_config_yaml = read_verified(path / MODEL_CONFIG_FILE, files[MODEL_CONFIG_FILE]).decode("utf-8")
-    check_model_compatible(model_config_yaml, model_config, str(path))
+    check_model_compatible(model_config_yaml, model_config, str(path), allow_model_changes)
+    current = process_layout()  # an older checkpoint without EP/ETP: compared on what it records (RNG below)
+    if optimizer is not None:
+        check_expert_layout(root["layout"], current, str(path))
     trainer_state = json.loads(read_verified(path / TRAINER_STATE_FILE, files[TRAINER_STATE_FILE]))
     config_yaml = None
     if RUN_CONFIG_FILE in files:
@@ -360,8 +367,7 @@ def load_checkpoint(
 
     rng_restored = False
     if load_rng:
-        current = process_layout()
-        if root["layout"] == current:
+        if all(root["layout"].get(k, v) == v for k, v in current.items()) and set(root["layout"]) <= set(current):
             rank = dist.get_rank()
             restore_rng_state(path / STATE_SUBDIR / RNG_SUBDIR, rank, root["rng"][str(rank)]["sha256"])
             rng_restored = True

@@ -14,6 +14,7 @@ with a warning only by tools that read older exports (evaluate.py); the trainer 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
@@ -45,9 +46,11 @@ def verify_weights_source(path: Path) -> None:
                       "tools/convert_hf_to_megatron.py to seal it)", stacklevel=3)
 
 
-def load_model_weights(path: str | Path, model_chunks: list, *, model_config: ModelConfig | None = None) -> None:
-    """Weights only (`checkpoint.init_from`, the SFT cache, a trainer checkpoint's weights); verified first.
-    Collective. Call it before building the optimizer, or call `optimizer.reload_model_params()` after,
+def load_model_weights(path: str | Path, model_chunks: list, *, model_config: ModelConfig | None = None,
+                       allow_model_changes: Sequence[str] = ()) -> None:
+    """Weights only (`checkpoint.init_from`, the SFT cache, a trainer checkpoint's weights); verified first, then
+    compared with `model_config` (compat.check_model_compatible; `allow_model_changes`: the function fields it may
+    differ in). Collective. Call it before building the optimizer, or call `optimizer.reload_model_params()` after,
     so 16-bit models' fp32 master weights pick the new values up."""
     path = Path(path)
     if not path.is_dir():
@@ -57,7 +60,7 @@ def load_model_weights(path: str | Path, model_chunks: list, *, model_config: Mo
         config_path = path / MODEL_CONFIG_FILE
         if not config_path.is_file():
             raise CheckpointFormatError(f"{path} has no {MODEL_CONFIG_FILE}; cannot check its architecture")
-        check_model_compatible(config_path.read_text(encoding="utf-8"), model_config, str(path))
+        check_model_compatible(config_path.read_text(encoding="utf-8"), model_config, str(path), allow_model_changes)
     load_model_and_optimizer(path / MODEL_SUBDIR, model_chunks, optimizer=None)
 
 

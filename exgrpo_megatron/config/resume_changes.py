@@ -4,8 +4,9 @@ Most keys may change on resume and take effect for real, each announced in one l
 optim.lr: 0.0001 -> 5e-05 (applied)`): the optimizer's LR schedule and Adam settings come from the current
 config (checkpoint/scheduler_state.py), everything else is read from the config every step. The keys in
 schema.RESUME_REFUSED change what the saved state means; a resume that changes one stops at start-up (exit 2)
-naming each key, unless `checkpoint.allow_config_change` lists it. The model's shape fields (checkpoint/compat.py) are
-refused always: such a checkpoint cannot be loaded into the model at all.
+naming each key, unless `checkpoint.allow_config_change` lists it. The model's fields that decide what its weights
+compute (config/model_function.py) are checked when the checkpoint loads (checkpoint/compat.py), before this: a shape
+field is refused always, a function field unless `checkpoint.allow_model_changes` lists it (then announced here too).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from exgrpo_megatron.config.aliases import RENAMED_KEYS
+from exgrpo_megatron.config.model_function import FUNCTION_FIELDS
 from exgrpo_megatron.config.schema import RESUME_REFUSED as REFUSED
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
@@ -72,6 +74,8 @@ def batch_change(changes: dict[str, tuple[Any, Any]], cfg: RootConfig) -> str:
 
 
 def how_applied(key: str) -> str:
+    if key.startswith("model.") and key.split(".", 1)[1] in FUNCTION_FIELDS:
+        return "allowed by checkpoint.allow_model_changes: the saved weights compute another function"
     return next((how for prefix, how in APPLIED_HOW.items() if key.startswith(prefix)), "applied")
 
 
@@ -80,7 +84,8 @@ def check_resume_config(saved_yaml: str | None, cfg: RootConfig, where: str) -> 
     if saved_yaml is None:
         return [f"checkpoint {where} has no config.yaml: changes of the config cannot be checked"]
     allowed = set(cfg.checkpoint.allow_config_change)
-    changes = {k: v for k, v in config_differences(saved_yaml, cfg).items() if k != "checkpoint.allow_config_change"}
+    changes = {k: v for k, v in config_differences(saved_yaml, cfg).items()
+               if k not in ("checkpoint.allow_config_change", "checkpoint.allow_model_changes")}
     refused = [f"{k}: checkpoint {a!r} -> config {b!r}: changes "
                f"{batch_change(changes, cfg) if k in BATCH_KEYS else REFUSED[k]}; to resume anyway add it to "
                f"checkpoint.allow_config_change" for k, (a, b) in changes.items() if k in REFUSED and k not in allowed]

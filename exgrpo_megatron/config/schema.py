@@ -224,6 +224,7 @@ class CheckpointConfig:
     resume: str = "auto"  # auto | none | <path>
     init_from: Optional[str] = None  # megatron checkpoint (from tools/convert_hf_to_megatron.py)
     allow_config_change: list[str] = field(default_factory=list)  # keys a resume may change although refused
+    allow_model_changes: list[str] = field(default_factory=list)  # model fields a checkpoint may differ in (by name)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any
 from exgrpo_megatron.config.derived import padded_vocab_size
 from exgrpo_megatron.config.domains import domain_errors, path_errors
 from exgrpo_megatron.config.families import FAMILIES
+from exgrpo_megatron.config.model_function import allow_model_changes_errors
 from exgrpo_megatron.config.moe_checks import moe_config_errors
 from exgrpo_megatron.config.pi_old_source import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import CHOICES, LORA_TARGETS, AlgoConfig, RootConfig
@@ -76,6 +77,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
         e.append("parallel.sequence_parallel: requires tensor_model_parallel_size > 1")
 
     e.extend(moe_config_errors(cfg, world_size))
+    e.extend(allow_model_changes_errors(cfg.checkpoint.allow_model_changes))
     e.extend(vllm_config_errors(cfg))
     e.extend(_old_logprobs_errors(cfg))
     e.extend(staleness_errors(cfg))

@@ -5,7 +5,9 @@ num_key_value_heads -> num_query_groups, head_dim -> kv_channels, rms_norm_eps, 
 tie_word_embeddings; a key config.json leaves out takes the family's default (HF's config class default).
 What the family fixes (q/k/v bias, QK-norm) is not a ModelConfig field. RoPE scaling must be one the family
 allows and exactly what megatron-core implements (Llama 3.1: `rope_type` llama3, low/high frequency factors 1
-and 4, original context 8192); anything else is refused rather than silently converted.
+and 4, original context 8192); anything else is refused rather than silently converted, and so is a sliding window
+(the family's keys, config/families.py SlidingWindowKeys). Every refusal names the HF key first (`key: value: why`);
+the CLIs print it and exit 2.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from exgrpo_megatron.config.families import (
     MOE_HF_KEYS,
     ModelFamily,
     MoEKeys,
+    SlidingWindowKeys,
     family_of,
     pop_retired_qkv_bias,
 )
@@ -34,7 +37,12 @@ MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_
 
 
 class UnsupportedArchitectureError(ValueError):
-    """The HF model (or checkpoint) uses a feature this converter/trainer does not implement."""
+    """The HF model (or checkpoint) uses a feature this converter/trainer does not implement; the message names the
+    HF key (or the CLI option) first."""
+
+
+def _rope_key(hf: dict[str, Any]) -> str:
+    return "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
 
 
 def _rope_dict(hf: dict[str, Any], family: ModelFamily) -> tuple[float, dict[str, Any] | None]:
@@ -55,15 +63,15 @@ def _rope_scaling_factor(hf: dict[str, Any], family: ModelFamily) -> float | Non
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type not in family.rope_scaling:
         raise UnsupportedArchitectureError(
-            f"rope scaling type {rope_type!r} is unsupported for {family.name}; supported: {list(family.rope_scaling)}"
-            " (megatron-core implements only 'llama3', for Llama 3.1)"
+            f"{_rope_key(hf)}: rope scaling type {rope_type!r} is unsupported for {family.name}; supported: "
+            f"{list(family.rope_scaling)} (megatron-core implements only 'llama3', for Llama 3.1)"
         )
     for key, expected in MCORE_LLAMA3_ROPE.items():
         got = scaling.get(key)
         if got is None or float(got) != expected:
             raise UnsupportedArchitectureError(
-                f"llama3 rope scaling {key}={got!r} differs from megatron-core's fixed value {expected}"
-            )
+                f"{_rope_key(hf)}.{key}: {got!r}: llama3 rope scaling differs from megatron-core's fixed value "
+                f"{expected}")
     return float(scaling["factor"])
 
 
@@ -72,44 +80,67 @@ def check_supported(hf: dict[str, Any]) -> None:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedArchitectureError(
-            f"model_type {model_type!r} (architectures={hf.get('architectures')}) is unsupported; "
+            f"model_type: {model_type!r} (architectures={hf.get('architectures')}) is unsupported; "
             f"supported: {sorted(FAMILIES)}"
         )
     family = FAMILIES[model_type]
     for key in MOE_HF_KEYS:
         if hf.get(key) and family.moe is None:
-            raise UnsupportedArchitectureError(f"mixture-of-experts ({key}={hf[key]}) is unsupported for {model_type}")
+            raise UnsupportedArchitectureError(f"{key}: {hf[key]}: mixture-of-experts is unsupported for {model_type}")
     if hf.get("hidden_act", family.activation) != family.activation:
         raise UnsupportedArchitectureError(
-            f"hidden_act {hf['hidden_act']!r} is unsupported; {model_type} is {family.activation} (gated)")
+            f"hidden_act: {hf['hidden_act']!r} is unsupported; {model_type} is {family.activation} (gated)")
     if hf.get("attention_bias"):
-        raise UnsupportedArchitectureError("attention_bias=True (bias on o_proj as well as q/k/v) is unsupported")
+        raise UnsupportedArchitectureError("attention_bias: True (bias on o_proj as well as q/k/v) is unsupported")
     if hf.get("mlp_bias"):
-        raise UnsupportedArchitectureError("mlp_bias=True is unsupported")
-    layer_types = hf.get("layer_types") or []
-    sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-    if hf.get("use_sliding_window") and not layer_types:
-        sliding = list(range(int(hf.get("max_window_layers", 0)), int(hf["num_hidden_layers"])))
-    if sliding:
-        raise UnsupportedArchitectureError(f"sliding-window attention (layers {sliding}) is unsupported")
+        raise UnsupportedArchitectureError("mlp_bias: True is unsupported")
+    if family.sliding_window is not None:
+        key, layers = windowed_layers(hf, family.sliding_window)
+        if layers:
+            raise UnsupportedArchitectureError(
+                f"{key}: {hf.get(key)!r} enables sliding-window attention on layers {layers} (a window of "
+                f"{hf.get(family.sliding_window.size, family.sliding_window.size_default)} tokens): unsupported, our "
+                "models attend to every earlier token")
     if hf.get("pretraining_tp", 1) not in (1, None):
-        raise UnsupportedArchitectureError(f"pretraining_tp={hf['pretraining_tp']} is unsupported")
+        raise UnsupportedArchitectureError(f"pretraining_tp: {hf['pretraining_tp']} is unsupported")
     _rope_scaling_factor(hf, family)
     if family.moe is not None:
         _check_moe_layout(hf, family.moe)
 
 
+def windowed_layers(hf: dict[str, Any], keys: SlidingWindowKeys) -> tuple[str, list[int]]:
+    """(the HF key that enables the window, the layers it windows) as the family's HF model class reads config.json;
+    no layer: the config enables no window."""
+    n = int(hf["num_hidden_layers"])
+    if keys.layer_types and hf.get(keys.layer_types):
+        return keys.layer_types, [i for i, t in enumerate(hf[keys.layer_types]) if t != "full_attention"]
+    enabled = bool(hf.get(keys.enable, keys.enable_default)) if keys.enable else True
+    if not enabled or hf.get(keys.size, keys.size_default) is None:
+        return keys.enable or keys.size, []
+    first = hf.get(keys.first_windowed_layer) if keys.first_windowed_layer else 0
+    first = keys.first_windowed_layer_default if first is None else int(first)
+    return keys.enable or keys.size, list(range(first, n))
+
+
 def _check_moe_layout(hf: dict[str, Any], keys: MoEKeys) -> None:
-    """Every decoder layer a mixture of experts (our builder's MoE layout); no shared expert."""
+    """Every decoder layer a mixture of experts (our builder's MoE layout); no shared expert; 1 <= top-k <= experts."""
     if keys.decoder_sparse_step and int(hf.get(keys.decoder_sparse_step, 1)) != 1:
-        raise UnsupportedArchitectureError(f"{keys.decoder_sparse_step}={hf[keys.decoder_sparse_step]}: only models "
+        raise UnsupportedArchitectureError(f"{keys.decoder_sparse_step}: {hf[keys.decoder_sparse_step]}: only models "
                                            "whose every layer is a mixture of experts are supported")
     if keys.mlp_only_layers and hf.get(keys.mlp_only_layers):
-        raise UnsupportedArchitectureError(f"{keys.mlp_only_layers}={hf[keys.mlp_only_layers]}: dense layers in an "
+        raise UnsupportedArchitectureError(f"{keys.mlp_only_layers}: {hf[keys.mlp_only_layers]}: dense layers in an "
                                            "MoE model are unsupported")
     if keys.shared_experts and hf.get(keys.shared_experts):
-        raise UnsupportedArchitectureError(f"{keys.shared_experts}={hf[keys.shared_experts]}: shared experts are "
+        raise UnsupportedArchitectureError(f"{keys.shared_experts}: {hf[keys.shared_experts]}: shared experts are "
                                            "unsupported")
+    experts_key = keys.num_experts if keys.num_experts in hf else "num_local_experts"
+    experts, top_k = hf.get(experts_key), hf.get(keys.top_k)
+    if experts is None or top_k is None:
+        raise UnsupportedArchitectureError(f"{keys.num_experts if experts is None else keys.top_k}: missing from "
+                                           "config.json")
+    if not 1 <= int(top_k) <= int(experts):
+        raise UnsupportedArchitectureError(f"{keys.top_k}: {top_k} experts per token, but {experts_key}={experts}: "
+                                           "the top-k must be between 1 and the number of experts")
 
 
 def _moe_fields_from_hf(hf: dict[str, Any], keys: MoEKeys | None) -> dict[str, Any]:
@@ -203,9 +234,15 @@ def hf_config_from_model_config(
         out["head_dim"] = head_dim(cfg)
     out.setdefault("use_cache", True)
     out.setdefault("initializer_range", cfg.init_method_std)
-    if family.hf_sliding_window_keys:
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
-        out.pop("layer_types", None)
+    window = family.sliding_window
+    if window is not None:  # written switched off, whatever the original config.json said
+        out[window.size] = None
+        if window.enable:
+            out[window.enable] = False
+        if window.first_windowed_layer:
+            out[window.first_windowed_layer] = cfg.num_layers
+        if window.layer_types:
+            out[window.layer_types] = ["full_attention"] * cfg.num_layers
     if cfg.rope_scaling_factor is not None:
         out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **MCORE_LLAMA3_ROPE}
     return out

@@ -71,14 +71,14 @@ def convert_hf_to_megatron(hf_dir: str, out_dir: str, tp_size: int = 1, pp_size:
     """Convert `hf_dir` into `<out_dir>/model` + `<out_dir>/model_config.yaml`; returns the ModelConfig.
     `tp_size`/`pp_size` only validate that the target layout is possible and set the vocabulary padding."""
     cfg = model_config_from_hf(read_hf_config(hf_dir), hf_path=os.path.abspath(hf_dir))
-    if cfg.num_query_groups % tp_size or cfg.num_attention_heads % tp_size:
+    if tp_size < 1 or cfg.num_query_groups % tp_size or cfg.num_attention_heads % tp_size:
         valid = [t for t in range(1, cfg.num_query_groups + 1)
                  if cfg.num_query_groups % t == 0 and cfg.num_attention_heads % t == 0]
         raise UnsupportedArchitectureError(
-            f"TP={tp_size} does not divide the model's {cfg.num_query_groups} KV heads (num_key_value_heads) and "
-            f"{cfg.num_attention_heads} attention heads; use a TP in {valid}")
-    if cfg.num_layers % pp_size:
-        raise ValueError(f"PP={pp_size} must divide num_layers={cfg.num_layers}")
+            f"--tp: TP={tp_size} does not divide the model's {cfg.num_query_groups} KV heads (num_key_value_heads) "
+            f"and {cfg.num_attention_heads} attention heads (num_attention_heads); use a TP in {valid}")
+    if pp_size < 1 or cfg.num_layers % pp_size:
+        raise UnsupportedArchitectureError(f"--pp: PP={pp_size} must divide num_hidden_layers={cfg.num_layers}")
     src = SafetensorsSource(hf_dir)
     check_hf_tensors(src, cfg)
     out_dtype = src.dtype() if dtype == "auto" else DTYPES[dtype]

@@ -25,7 +25,8 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
                   cpu_precision_line(m.params_dtype, this_cpu_bf16_unit(), m.hidden_size, bf16)]
     t = cfg.trainer
     lines.append(f"run dir {cfg.logging.run_dir}; layout TP={layout.tp_size} PP={layout.pp_size} "
-                 f"DP={layout.dp_size} (world {layout.world_size}, {layout.device.type})")
+                 f"DP={layout.dp_size} EP={layout.ep_size} ETP={cfg.parallel.expert_tensor_parallel_size} "
+                 f"(world {layout.world_size}, {layout.device.type})")
     val = f"validation avg@{t.val_n} every {t.val_every} steps" if t.val_every else "no validation"
     lines.append(f"{t.total_steps} steps of {t.train_batch_size} prompts x {cfg.rollout.n} rollouts; {val}")
     replays = build_algorithm(cfg.algo, t, cfg.data.max_response_length).uses_pool

@@ -64,6 +64,7 @@ class Policy:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.model_cfg = cfg.model  # what a loaded checkpoint's weights are checked against
+        self.allow_model_changes = tuple(cfg.checkpoint.allow_model_changes)  # ... and what they may differ in
         self.sequence_packing = cfg.trainer.sequence_packing
         self.fused_output_logprobs = cfg.trainer.fused_output_logprobs
         vpp = cfg.parallel.virtual_pipeline_model_parallel_size
@@ -135,7 +136,8 @@ class Policy:
         """Weights only (`checkpoint.init_from`, the SFT warm start); the optimizer's master copy follows."""
         from exgrpo_megatron.checkpoint import load_model_weights
 
-        load_model_weights(path, self.modules, model_config=self.model_cfg)
+        load_model_weights(path, self.modules, model_config=self.model_cfg,
+                           allow_model_changes=self.allow_model_changes)
         self.optimizer.reload_model_params()
         self.mark_weights_changed()
 
@@ -145,7 +147,8 @@ class Policy:
         from exgrpo_megatron.checkpoint import load_newest_verified
 
         loaded = load_newest_verified(run_dir, resume, model_chunks=self.modules, model_config=self.model_cfg,
-                                      optimizer=self.optimizer, opt_param_scheduler=self.scheduler)
+                                      optimizer=self.optimizer, opt_param_scheduler=self.scheduler,
+                                      allow_model_changes=self.allow_model_changes)
         if loaded is not None:
             self.mark_weights_changed()
         return loaded
