@@ -72,29 +72,29 @@ def test_a_planted_hang_ends_within_the_timeout_with_every_ranks_stack(tmp_path)
         assert "the planted hang returned" not in log
 
 
-def long_progressing_work(seconds: float) -> int:
-    """`seconds` of all-reduces through the trainer's init path with a 2 s collective timeout; the ranks take turns
-    being 0.3 s late, so every collective waits about 0.3 s. Returns the number of collectives."""
+def long_progressing_work(rounds: int) -> int:
+    """`rounds` all-reduces through the trainer's init path with a 3 s collective timeout; the ranks take turns
+    being 0.3 s late, so every collective waits about 0.3 s. The count is fixed, not a rank's own clock (ranks that
+    stop on their own clocks may run different numbers of all-reduces: a real hang). Returns the number done."""
     import torch
 
     from exgrpo_megatron.distributed.runtime import init_distributed
 
-    init_distributed(seed=1, collective_timeout_s=2)
-    n, start, x = 0, time.monotonic(), torch.ones(2)
-    while time.monotonic() - start < seconds:
+    init_distributed(seed=1, collective_timeout_s=3)
+    x = torch.ones(2)
+    for n in range(rounds):
         if n % 2 == dist.get_rank():
             time.sleep(0.3)
         dist.all_reduce(x)
-        n += 1
-    x = torch.tensor([float(n)])
+    x = torch.tensor([float(rounds)])
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return int(x.item())
 
 
 def test_a_long_step_whose_ranks_keep_meeting_is_not_a_hang():
-    """Six seconds of collectives under a 2 s timeout: the clock is one collective's wait, not the work's length."""
-    counts = run_on_ranks(long_progressing_work, 2, args=(6.0,), timeout=120)
-    assert counts[0] == counts[1] >= 12
+    """About 8 s of collectives under a 3 s timeout: the clock is one collective's wait, not the work's length."""
+    counts = run_on_ranks(long_progressing_work, 2, args=(27,), timeout=120)
+    assert counts[0] == counts[1] == 27
 
 
 def test_the_ledger_names_a_planted_rank_only_forward_under_ep(tmp_path):
