@@ -99,9 +99,10 @@ def test_a_long_step_whose_ranks_keep_meeting_is_not_a_hang():
 
 def test_the_ledger_names_a_planted_rank_only_forward_under_ep(tmp_path):
     """The trainer at EP=2 with the ledger on; in step 1 rank 0 alone runs one more model forward (an EP
-    collective). The ranks then block in different collectives; the ledger names each rank's call (the planted pass
-    on rank 0) within seconds, far below the 120 s collective timeout, every rank exits 5, and no process the ranks
-    started (the grader pool) outlives them by more than 15 s."""
+    collective). The ranks then block in different collectives; the ledger names the first call that differs on each
+    rank (the planted pass's lockstep agreement on rank 0, the pi_old pass's on rank 1) within seconds, far below the
+    120 s collective timeout, every rank exits 5, and no process the ranks started (the grader pool) outlives them by
+    more than 15 s."""
     args = ["train", "1", "--", *EP2_RUN, f"logging.run_dir={tmp_path / 'run'}", "parallel.collective_ledger=true",
             "parallel.collective_timeout_s=120"]
     start = time.monotonic()
@@ -125,9 +126,11 @@ def test_the_ledger_names_a_planted_rank_only_forward_under_ep(tmp_path):
         log = p.log_path.read_text()
         assert "the collective ledger found that ranks [0, 1] wait for each other in different collectives" in log
         differs = log[log.index("the first collective that differs between the ranks"):].splitlines()[1:3]
-        assert re.match(r"  rank 0: call #\d+ \w+ on EXPERT_MODEL_PARALLEL_GROUP \[0, 1\] from \S+ \(pass 'planted'\)",
-                        differs[0]), differs
-        assert re.match(r"  rank 1: call #\d+ \w+ on \w+ \[0, 1\] from \S+ \(in trainer\.\w+\)", differs[1]), differs
+        # rank 0's extra pass first shows as its lockstep agreement, where rank 1 agrees for its own next pass
+        assert re.match(r"  rank 0: call #(\d+) all_reduce on \w+ \[0, 1\] from distributed/lockstep\.py:agree"
+                        r"\[planted\] \(pass 'planted'\)", differs[0]), differs
+        assert re.match(r"  rank 1: call #\d+ all_reduce on \w+ \[0, 1\] from distributed/lockstep\.py:agree"
+                        r"\[old_logprobs\] \(in trainer\.with_old_logprobs\)", differs[1]), differs
         assert "has not finished after" not in log  # the ledger, not the timeout, stopped it
 
 

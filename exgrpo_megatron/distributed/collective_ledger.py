@@ -38,6 +38,7 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.s
 OWN_FILES = ("collective_watch.py", "collective_ledger.py")
 TRAINER = os.path.join(PACKAGE_DIR, "trainer.py")
 _pass_name = threading.local()
+_agreement = threading.local()  # the pass site a lockstep agreement is made for (distributed/lockstep.py)
 
 
 @contextlib.contextmanager
@@ -49,6 +50,18 @@ def collective_pass(name: str) -> Iterator[None]:
         yield
     finally:
         _pass_name.value = before
+
+
+@contextlib.contextmanager
+def agreement_for(site: str) -> Iterator[None]:
+    """The collectives issued in the block are the lockstep agreement of pass `site`: the site is part of the call's
+    identity (ranks agreeing for different passes issue different calls, though the op and group are the same)."""
+    before = getattr(_agreement, "value", None)
+    _agreement.value = site
+    try:
+        yield
+    finally:
+        _agreement.value = before
 
 
 def process_group(group: Any) -> dist.ProcessGroup:
@@ -113,7 +126,9 @@ def call_site() -> tuple[str, str]:
                 break
         frame = frame.f_back  # type: ignore[assignment]
     named = getattr(_pass_name, "value", None)
-    return site or "(outside exgrpo_megatron)", f"pass {named!r}" if named else verb
+    agreed_for = getattr(_agreement, "value", None)
+    site = (site or "(outside exgrpo_megatron)") + (f"[{agreed_for}]" if agreed_for else "")
+    return site, f"pass {named!r}" if named else verb
 
 
 class CollectiveLedger:

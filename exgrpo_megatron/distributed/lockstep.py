@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from exgrpo_megatron.distributed.collective_ledger import agreement_for
+
 # (site, this rank's count, the agreed count), at every agreement, before the pass runs
 SiteObserver = Callable[[str, int, int], None]
 
@@ -60,7 +62,8 @@ class Lockstep:
         if self.ep_group is not None or (gradient_sync and dist.get_world_size() > 1):
             on_gpu = dist.get_backend() == "nccl"  # NCCL reduces GPU tensors only
             largest = torch.tensor([count], dtype=torch.long, device="cuda" if on_gpu else "cpu")
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            with agreement_for(site):  # the debug ledger tells agreements for different passes apart
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX)
             agreed = int(largest.item())
         for observe in self.observers:
             observe(site, count, agreed)
