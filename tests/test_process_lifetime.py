@@ -53,6 +53,7 @@ TRAINER_WITH_GRADER = """
 import multiprocessing.forkserver as fs, time
 from exgrpo_megatron.reward.grader import GraderPool
 pool = GraderPool(num_workers=1)
+pool.wait_ready()  # the worker has run its after-fork hooks (it is stopped below, so it must have armed them)
 print(pool._workers[0].process.pid, fs._forkserver._forkserver_pid, flush=True)
 time.sleep(120)
 """
