@@ -9,7 +9,8 @@ ep_reference      the uninterrupted run (for ep_group_sigterm's comparison; run 
 ep_rank_sigkill   rank 1 SIGKILLed once checkpoint 2 is on disk -> rank 0 exits 1 with the one-line "lost its
                   connection" message (or 5 from the collective watch), torchrun exits, no process left, checkpoint 2
                   verifies; the relaunch (checkpoint.resume=auto) finishes every step
-ep_group_sigterm  SIGTERM to torchrun's process group after step 2 (torchrun passes it on to its workers) -> each rank
+ep_group_sigterm  SIGTERM to torchrun's process group once step 2 is logged (during the first save) /
+ep_group_sigterm_after_save  once checkpoint 2 is on disk (torchrun passes it on to its workers) -> each rank
                   saves and exits 75; the requeued run finishes every step once, its metrics equal to ep_reference's
 """
 
@@ -132,6 +133,7 @@ def ep_rank_sigkill(h, work: Path, data: str) -> dict:
     lost = next((x for x in log.splitlines() if "lost its connection" in x), "")
     watch = next((x for x in log.splitlines() if "collective" in x and "exgrpo-train" in x), "")
     exits = _exits(base, "killed")
+    gloo_traceback = any(x.startswith("RuntimeError") and "Connection closed by peer" in x for x in log.splitlines())
     saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     problem = checkpoint_problem(run_dir / "checkpoints" / saved[-1]) if saved else "no checkpoint"
     code2, orphans2, steps = _run_to_end(h, base, overrides, "relaunched")
@@ -139,7 +141,7 @@ def ep_rank_sigkill(h, work: Path, data: str) -> dict:
     complete = code2 == 0 and steps == list(range(1, EP_STEPS + 1))
     observed = (f"killed rank 1 (pid {workers.get(1)}) with steps {logged} logged; torchrun exit {code} "
                 f"{took:.0f} s later; rank exits {exits}; survivor's message: {(lost or watch).strip()[:300]!r}; "
-                f"gloo traceback: {'Connection closed by peer' in log and 'Traceback' in log}; processes seen "
+                f"gloo's error as a traceback: {gloo_traceback}; processes seen "
                 f"{len(seen)}, alive 15 s after torchrun {len(orphans)} (last gone {gone_s:.1f} s after); "
                 f"checkpoints {saved}, last verifies: {problem or 'yes'}; relaunch exit {code2}, resumed from step "
                 f"{found.group(1) if found else None}, steps {steps}, orphans {len(orphans2)}")
@@ -151,13 +153,20 @@ def ep_rank_sigkill(h, work: Path, data: str) -> dict:
                     orphans=len(orphans) + len(orphans2), seconds_to_exit=round(took, 1))
 
 
-def ep_group_sigterm(h, work: Path, data: str) -> dict:
-    base = _fresh(work / "ep_group_sigterm")
+def _ep_group_sigterm(name: str, wait_for: str) -> Callable:
+    return lambda h, work, data: ep_group_sigterm(h, work, name, wait_for)
+
+
+def ep_group_sigterm(h, work: Path, name: str, wait_for: str) -> dict:
+    """wait_for "step 2 logged": the signal comes during the first save (the results Manager is being started);
+    "checkpoint 2 saved": after it."""
+    base = _fresh(work / name)
     run_dir = base / "run"
     overrides = _ep_overrides(work, run_dir)
     seen: set = set()
     proc = _torchrun(base, overrides, "signalled")
-    _track(proc, seen, lambda: len(h.metrics(run_dir)) >= 2)
+    _track(proc, seen, lambda: len(h.metrics(run_dir)) >= 2 if wait_for == "step 2 logged" else
+           (run_dir / "checkpoints" / "step_00000002").exists())
     os.killpg(proc.pid, signal.SIGTERM)
     t0 = time.monotonic()
     code, orphans, gone_s = _finish(proc, seen)
@@ -179,11 +188,14 @@ def ep_group_sigterm(h, work: Path, data: str) -> dict:
                 f"steps {steps}, orphans {len(orphans2)}; metrics equal to the uninterrupted run: {same}")
     ok = (exits == {0: "75", 1: "75"} and bool(logged) and f"step_{logged[-1]:08d}" in saved and not orphans
           and not orphans2 and complete and same is not False)
-    return _verdict("ep_group_sigterm", "SIGTERM to torchrun's group: each rank saves and exits 75, no process left; "
+    return _verdict(name, f"SIGTERM to torchrun's group once {wait_for}: each rank saves and exits 75, "
+                    "no process left; "
                     "the requeued run finishes every step once, metrics equal to the uninterrupted run", observed, ok,
                     (complete and same is not False, "every step logged once; metrics (all but timings) equal to "
                      f"ep_reference: {same}"), orphans=len(orphans) + len(orphans2), seconds_to_exit=round(took, 1))
 
 
 SCENARIOS: dict[str, Callable] = {"ep_reference": ep_reference, "ep_rank_sigkill": ep_rank_sigkill,
-                                  "ep_group_sigterm": ep_group_sigterm}
+                                  "ep_group_sigterm": _ep_group_sigterm("ep_group_sigterm", "step 2 logged"),
+                                  "ep_group_sigterm_after_save": _ep_group_sigterm("ep_group_sigterm_after_save",
+                                                                                   "checkpoint 2 saved")}
