@@ -16,7 +16,10 @@ Scenarios (`--scenarios`; default all): bench/reliability_trials.py's -- a secon
 fills during a save (a real tmpfs, needs root), a corrupted token-cache entry, config changes on resume -- and
 bench/process_trials.py's -- the trainer SIGKILLed by its own forked checkpoint writer then relaunched at once, a group
 SIGTERM / SIGUSR1 while generating one step ahead, the generator stopped or killed, damaged parquet files, a busy
-exported MASTER_PORT (each also counts the orphans: the run's processes alive after its trainer exited). Each reports
+exported MASTER_PORT, SIGTERM / SIGUSR1 to the group while the generator is stopped, a nearly full disk at start-up, the
+trainer SIGKILLed / SIGABRTed while its results Manager and grader pool live -- and bench/ep_trials.py's -- EP=2 runs
+of the MoE demo under torchrun with one rank SIGKILLed and with torchrun's group sent SIGTERM (each also counts the
+orphans: the run's processes alive after its trainer, or torchrun, exited). Each reports
 what it expected and observed and whether nothing was lost (the run still ends bitwise equal to the reference, or as
 the scenario states).
 `--trials 0 --scenarios all` runs only those; finished kill trials already in the results file are kept.
@@ -33,7 +36,10 @@ results file, and a restart continues with the next trial (the reference is kept
     .venv/bin/python bench/fault_trials.py --trials 0 --results bench/results/fault_trials_process.json \
         --scenarios trainer_killed_in_save,group_sigterm,group_sigusr1,generator_sigstop,generator_sigkill,\
     parquet_empty,parquet_garbage,parquet_no_answer,busy_port,stopped_generator_sigterm,stopped_generator_sigusr1,\
-    disk_nearly_full
+    disk_nearly_full,trainer_sigkill_with_helpers,trainer_sigabrt_with_helpers
+    # the EP=2 scenarios (ep_reference first: ep_group_sigterm compares with it):
+    .venv/bin/python bench/fault_trials.py --trials 0 --results bench/results/fault_trials_ep.json \
+        --scenarios ep_reference,ep_rank_sigkill,ep_group_sigterm
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.ep_trials import SCENARIOS as EP_SCENARIOS  # noqa: E402
 from bench.process_trials import SCENARIOS as PROCESS_SCENARIOS  # noqa: E402
 from bench.reliability_trials import SCENARIOS as INPUT_SCENARIOS  # noqa: E402
 from bench.reliability_trials import run_scenarios  # noqa: E402
@@ -72,7 +79,7 @@ from tests.test_trainer_resume import (  # noqa: E402
     _write_dataset,
 )
 
-SCENARIOS = {**INPUT_SCENARIOS, **PROCESS_SCENARIOS}
+SCENARIOS = {**INPUT_SCENARIOS, **PROCESS_SCENARIOS, **EP_SCENARIOS}
 RESULTS = REPO / "bench" / "results" / "fault_trials.json"
 RESULTS_AHEAD = REPO / "bench" / "results" / "fault_trials_ahead.json"
 TIMEOUT_S = 900
@@ -230,11 +237,15 @@ def main() -> None:
     if not Path(data).exists():
         _write_dataset(Path(data))
     init = work / "init"
-    ref = reference(work, data, init, extra)
     previous = json.loads(results_path.read_text()) if results_path.exists() else {}
     done = previous.get("per_trial", [])
     scenarios = previous.get("scenarios", [])
     todo = [i for i in range(args.trials) if i not in {t["trial"] for t in done}]
+    names = list(SCENARIOS) if args.scenarios == "all" else [n for n in args.scenarios.split(",") if n]
+    names = [] if args.max_staleness > 0 else names  # the scenarios are the colocated run's
+    # the kill trials, the input scenarios and trainer_killed_in_save compare with the tiny uninterrupted run
+    needs_reference = todo or any(n in INPUT_SCENARIOS or n == "trainer_killed_in_save" for n in names)
+    ref = reference(work, data, init, extra) if needs_reference else {"wall_s": 0.0, "first_step_s": 0.0}
     lock = threading.Lock()
 
     def write_results() -> None:
@@ -258,8 +269,6 @@ def main() -> None:
 
     with ThreadPoolExecutor(max_workers=args.workers) as pool:
         list(pool.map(run_one, todo))
-    names = list(SCENARIOS) if args.scenarios == "all" else [n for n in args.scenarios.split(",") if n]
-    names = [] if args.max_staleness > 0 else names  # the scenarios are the colocated run's
     helpers = SimpleNamespace(launch=launch, reap=reap, metrics=metrics, same_final_state=same_final_state,
                               reference=reference)
     for result in run_scenarios(names, helpers, work, data, SCENARIOS):

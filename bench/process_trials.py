@@ -34,12 +34,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.reliability_trials import RUN_TIMEOUT_S, _fresh, _log, _verdict
+from bench.reliability_trials import (
+    RUN_TIMEOUT_S,
+    _fresh,
+    _log,
+    _verdict,
+    checkpoint_problem,
+    orphans_within,
+    run_processes,
+)
 from tests.test_generate_ahead import AHEAD
 from tests.test_generator_faults import FAST_DEADLINE, wait_for_survivors
 from tests.test_trainer_resume import N_STEPS, _overrides
 
 REPO = Path(__file__).resolve().parents[1]
+IS_METRICS = ("rollout/staleness", "mismatch/token_mult_prob_error", "rollout/is_weight_mean")
 LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
 
 
@@ -132,15 +141,24 @@ def _generator_fault(sig: signal.Signals, said: str) -> Callable:
         saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
         logged = [r["step"] for r in h.metrics(run_dir)]
         code2 = h.reap(h.launch(run_dir, overrides, "relaunched", make_init), RUN_TIMEOUT_S)
+        rows = {r["step"]: r for r in h.metrics(run_dir)}
         steps = [r["step"] for r in h.metrics(run_dir)]
         complete = code2 == 0 and steps == list(range(1, N_STEPS + 1))
+        is_check = {f"step {s} ({kind})": {k: rows.get(s, {}).get(k) for k in IS_METRICS}
+                    for s, kind in ((logged[-1], "before the fault"), (logged[-1] + 1, "regenerated"))}
+        regen = rows.get(logged[-1] + 1, {})
+        is_right = (regen.get("rollout/staleness") == 0.0
+                    and abs(regen.get("mismatch/token_mult_prob_error", 0.0) - 1.0) < 1e-5
+                    and abs(regen.get("rollout/is_weight_mean", 0.0) - 1.0) < 1e-5)
         observed = (f"exit {code} {took:.0f} s after the signal; message: {line.strip()[:300]}; logged {logged}, "
-                    f"checkpoints {saved}; orphans {len(orphans)}; relaunch exit {code2}, steps logged {steps}")
-        ok = code == 4 and said in line and f"step_{logged[-1]:08d}" in saved and not orphans and complete
+                    f"checkpoints {saved}; orphans {len(orphans)}; relaunch exit {code2}, steps logged {steps}; "
+                    f"IS: {is_check}")
+        ok = code == 4 and said in line and f"step_{logged[-1]:08d}" in saved and not orphans and complete and is_right
         return _verdict(name, f"named ({said}), last whole step saved, exit 4, no orphan; the relaunch finishes "
-                        "every step", observed, ok, (complete, "every step logged once; the lost rollouts were "
-                                                              "regenerated (not bitwise by design)"),
-                        orphans=len(orphans), seconds_to_exit=round(took, 1))
+                        "every step, the regenerated step logs rollout/staleness 0 and mismatch/token_mult_prob_error "
+                        "and rollout/is_weight_mean 1 (within 1e-5)", observed, ok,
+                        (complete, "every step logged once; the lost rollouts were regenerated (not bitwise by "
+                                   "design)"), orphans=len(orphans), seconds_to_exit=round(took, 1), is_check=is_check)
     return scenario
 
 
@@ -175,6 +193,46 @@ def _stopped_generator_signal(sig: signal.Signals) -> Callable:
                         ok, (complete, "every step logged once; the lost rollouts were regenerated (not bitwise)"),
                         orphans=len(orphans), seconds_to_exit=round(took, 1))
     return scenario
+
+
+def _trainer_death(sig: signal.Signals) -> Callable:
+    def scenario(h, work: Path, data: str) -> dict:
+        name = f"trainer_{sig.name.lower()}_with_helpers"
+        run_dir = _fresh(work / name)
+        proc = h.launch(run_dir, _overrides(data, N_STEPS), "killed", ("--make-init", str(run_dir / "init")))
+        _wait_logged(h, run_dir, proc, 3)  # checkpoint 2 saved: the results Manager lives, as the grader pool
+        seen = run_processes(proc.pid)
+        kinds = sorted(_kind(pid) for pid, _ in seen if pid != proc.pid)
+        os.kill(proc.pid, sig)
+        code = proc.wait(timeout=RUN_TIMEOUT_S)
+        orphans, gone_s = orphans_within(seen, [proc.pid], 15.0)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+        problem = checkpoint_problem(run_dir / "checkpoints" / saved[-1]) if saved else "no checkpoint"
+        observed = (f"trainer exit {code}; its helpers at the {sig.name}: {kinds}; alive 15 s later: {len(orphans)}, "
+                    f"the last gone {gone_s:.1f} s after the trainer's exit; checkpoints {saved}, the last verifies: "
+                    f"{problem or 'yes'}")
+        ok = code == -sig and "results Manager" in kinds and not orphans and gone_s < 5 and problem is None
+        return _verdict(name, f"the trainer {sig.name}ed while its results Manager and grader pool live -> every "
+                        "process of the run gone within 5 s, the last checkpoint intact", observed, ok,
+                        (problem is None, "the last checkpoint verifies"), orphans=len(orphans),
+                        seconds_to_last_gone=round(gone_s, 1))
+    return scenario
+
+
+def _kind(pid: int) -> str:
+    try:
+        cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError:
+        return "gone"
+    for marker, kind in (("forkserver", "grader fork server or worker"), ("resource_tracker", "resource tracker"),
+                         ("spawn_main", "results Manager"), ("generator", "generator")):
+        if marker in cmd:
+            return kind
+    return f"forked child ({cmd[:40]})"
 
 
 def disk_nearly_full(h, work: Path, data: str) -> dict:
@@ -258,4 +316,6 @@ SCENARIOS: dict[str, Callable] = {
     "parquet_no_answer": _bad_parquet("no_answer"), "busy_port": busy_port,
     "stopped_generator_sigterm": _stopped_generator_signal(signal.SIGTERM),
     "stopped_generator_sigusr1": _stopped_generator_signal(signal.SIGUSR1), "disk_nearly_full": disk_nearly_full,
+    "trainer_sigkill_with_helpers": _trainer_death(signal.SIGKILL),
+    "trainer_sigabrt_with_helpers": _trainer_death(signal.SIGABRT),
 }

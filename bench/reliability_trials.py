@@ -15,6 +15,7 @@ config_change    a run stopped after step 2 resumed with algo.name=grpo -> exit 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -151,6 +152,71 @@ def config_change(h, work: Path, data: str) -> dict:
     return _verdict("config_change", f"algo.name=grpo refused with exit 2 naming the key, nothing written; "
                     f"optim.lr={new_lr} announced and logged as the step-3 lr; the unchanged resume exits 0",
                     observed, ok, lost, lr_logged_step3=lr_logged)
+
+
+def _process_start(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] in "ZX" else int(fields[19])  # a zombie has died; starttime tells reused pids apart
+
+
+def run_processes(root: int) -> set[tuple[int, int]]:
+    """(pid, start time) of `root` and every live process below it (the run's processes, followed across sessions:
+    torchrun starts each worker in a session of its own)."""
+    out: set[tuple[int, int]] = set()
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        start = _process_start(pid)
+        if start is None:
+            continue
+        out.add((pid, start))
+        for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+            try:
+                todo += [int(c) for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+            except OSError:
+                pass
+    return out
+
+
+def _session_members(sessions: set[int]) -> set[int]:
+    """Live processes (zombies excluded) whose session is one of `sessions`."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
+                    fields = fh.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[3]) in sessions and fields[0] not in "ZX":
+                out.add(int(entry))
+    return out
+
+
+def orphans_within(seen: set[tuple[int, int]], sessions: list[int], seconds: float) -> tuple[list[int], float]:
+    """The processes of `seen` and of the `sessions` still alive `seconds` after the run's leader exited (or [] as
+    soon as none is), and how long it took for the last one to go."""
+    t0 = time.monotonic()
+    while True:
+        left = sorted({pid for pid, start in seen if _process_start(pid) == start} | _session_members(set(sessions)))
+        if not left or time.monotonic() - t0 > seconds:
+            return left, time.monotonic() - t0
+        time.sleep(0.05)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why checkpoint `path` does not verify against its manifest (sizes and sha256 of every file), or None."""
+    from exgrpo_megatron.checkpoint.integrity import digests_problem, read_root_manifest
+
+    try:
+        problem = digests_problem(path, read_root_manifest(path), "manifest", 0, 1)
+    except Exception as err:  # noqa: BLE001 -- any failure to read it is the finding
+        return f"{type(err).__name__}: {err}"
+    return None if problem is None else f"{problem[0]}: {problem[1]}"
 
 
 def _fresh(path: Path) -> Path:
