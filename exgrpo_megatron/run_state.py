@@ -24,6 +24,7 @@ from exgrpo_megatron.checkpoint import (
     model_config_to_yaml,
     save_checkpoint,
 )
+from exgrpo_megatron.checkpoint.model_state import ensure_signal_proof_save_workers
 from exgrpo_megatron.components import Components
 from exgrpo_megatron.config.loader import to_yaml
 from exgrpo_megatron.config.resume_changes import check_resume_config
@@ -81,6 +82,10 @@ class RunState:
                                      resume_step=state.step if resumed else None)
         state.progress = ProgressBar(cfg.trainer.total_steps, start_step=state.step,
                                      enabled=main and cfg.logging.progress_bar)
+        # the checkpoint writers' results Manager starts now, while a signal still aborts start-up: a new process takes
+        # seconds to ignore the preemption signals, and one started by the first save dies of a signal sent to the
+        # process group then, and the save with it
+        ensure_signal_proof_save_workers()
         state.preemption = preemption.finish_startup()
         if state.ahead is not None:
             state.ahead.watch_preemption(preemption)

@@ -30,7 +30,10 @@ class Recorder(StepObserver):
         self.algorithm = c.algorithm.name
 
     def step_started(self, step) -> None:
-        self._at(step, "step_started")
+        from exgrpo_megatron.checkpoint import model_state
+
+        manager = getattr(model_state._RESULTS_MANAGER, "_process", None)
+        self._at(step, "step_started")["results_manager_up"] = manager is not None and manager.is_alive()
 
     def planned(self, step, groups) -> None:
         self._at(step, "planned")["planned"] = len(groups)
@@ -79,6 +82,8 @@ def test_an_observer_receives_every_verbs_result_as_logged(tmp_path):
     got = run_on_ranks(_train_observed, 1, args=(_overrides(str(tmp_path / "obs"), extra=(
         f"trainer.total_steps={STEPS}", "algo.old_logprobs=recompute")),))[0]
     assert got["algorithm"] == "exgrpo" and got["calls"][0] == (0, "started")
+    # up before step 1 (started during start-up), so a preemption save never waits on a Manager still starting
+    assert got["steps"][1]["results_manager_up"]
     order = ["step_started", "planned", "generated", "rolled_out", "rows_built", "batch_ready", "update_started",
              "updated", "step_finished"]
     for step in range(1, STEPS + 1):
