@@ -42,26 +42,25 @@ _agreement = threading.local()  # the pass site a lockstep agreement is made for
 
 
 @contextlib.contextmanager
-def collective_pass(name: str) -> Iterator[None]:
-    """The collectives issued in the block carry the pass name `name` in the ledger."""
-    before = getattr(_pass_name, "value", None)
-    _pass_name.value = name
+def _labelled(slot: threading.local, value: str) -> Iterator[None]:
+    """`slot.value` is `value` inside the block (restored after, so blocks nest)."""
+    before = getattr(slot, "value", None)
+    slot.value = value
     try:
         yield
     finally:
-        _pass_name.value = before
+        slot.value = before
 
 
-@contextlib.contextmanager
-def agreement_for(site: str) -> Iterator[None]:
+def collective_pass(name: str) -> contextlib.AbstractContextManager[None]:
+    """The collectives issued in the block carry the pass name `name` in the ledger."""
+    return _labelled(_pass_name, name)
+
+
+def agreement_for(site: str) -> contextlib.AbstractContextManager[None]:
     """The collectives issued in the block are the lockstep agreement of pass `site`: the site is part of the call's
     identity (ranks agreeing for different passes issue different calls, though the op and group are the same)."""
-    before = getattr(_agreement, "value", None)
-    _agreement.value = site
-    try:
-        yield
-    finally:
-        _agreement.value = before
+    return _labelled(_agreement, site)
 
 
 def process_group(group: Any) -> dist.ProcessGroup:
