@@ -67,6 +67,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _wait_gone(pids: list[int], seconds: float) -> None:
+    """Until none of `pids` is alive, for at most `seconds` (the caller asserts what it expects)."""
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _open_files(pid: int) -> set[str]:
     try:
         return {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
@@ -112,9 +119,7 @@ def test_forked_children_die_with_the_trainer(tmp_path):
     try:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while _alive(writer) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_gone([writer], 10)
         assert not _alive(writer), f"the forked writer {writer} outlived its trainer"
     finally:
         _kill(writer)
@@ -156,9 +161,7 @@ def test_the_checkpoint_results_manager_dies_with_its_trainer(death, manager_sto
             os.kill(manager, signal.SIGSTOP)  # its threads cannot run (as when stuck): no polling can notice
         trainer.send_signal(death)
         trainer.wait(timeout=30)
-        deadline = time.monotonic() + 5
-        while _alive(manager) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_gone([manager], 5)
         # old code, stopped: a thread polling the parent pid, which never runs; the Manager lives on
         assert not _alive(manager), f"the results Manager {manager} outlived its trainer ({death.name})"
     finally:
@@ -174,9 +177,7 @@ def test_the_grader_fork_server_and_a_stopped_worker_die_with_their_trainer():
         os.kill(worker, signal.SIGSTOP)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=30)
-        deadline = time.monotonic() + 5
-        while (_alive(worker) or _alive(server)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_gone([worker, server], 5)
         # old code: the server exits (its pipe closed), the stopped worker lives on
         assert not _alive(server) and not _alive(worker), (server, _alive(server), worker, _alive(worker))
     finally:
