@@ -20,6 +20,7 @@ from exgrpo_megatron.data.token_cache import cached_prompt_dataset
 from exgrpo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from exgrpo_megatron.distributed.runtime import ParallelLayout
 from exgrpo_megatron.experience.phase import ExperienceSchedule
+from exgrpo_megatron.experience.response_store import ResponseStore
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.reward.answer_check import require_parsable_answers
@@ -75,6 +76,8 @@ class Components:
     old_logprobs: str = "recompute"  # algo.old_logprobs resolved: rollout | training_forward | recompute
     dp_group: Any = None  # the data-parallel gloo group (CPU collectives), None with one DP rank
     observers: StepObservers = field(default_factory=StepObservers)  # run_training's observers (step_observer.py)
+    responses: ResponseStore | None = None  # the response store (in-group / rescue replay); None: the algorithm's
+    # `response_replay` is None
 
     def close(self) -> None:
         """Stop the processes this rank started (the grader's workers)."""
@@ -137,6 +140,8 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
     pool = build_pool(cfg.experience, cfg.rollout.n, dp_group) if algorithm.uses_pool else None
     schedule = ExperienceSchedule(cfg.experience.delayed_start_pass_rate if pool is not None else 0.0,
                                   enabled=pool is not None)
+    replay_rule = algorithm.response_replay(cfg.experience)
+    responses = ResponseStore(replay_rule, cfg.experience.max_age_steps, dp_group) if replay_rule else None
     policy = Policy(cfg)
     return Components(
         cfg=cfg, layout=layout, tokenizer=tokenizer, train_data=train, val_data=val,
@@ -145,4 +150,5 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
         rollout=RolloutService(build_engine(cfg, policy, tokenizer), GraderPool.from_config(cfg.reward), tokenizer,
                                cfg.reward.require_think),
         settings=step_settings(cfg), old_logprobs=resolve_old_logprobs_for(cfg), dp_group=dp_group,
+        responses=responses,
     )

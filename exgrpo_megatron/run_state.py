@@ -1,8 +1,9 @@
 """Everything around the step: resume, checkpoint, metrics/progress, validation, preemption.
 
 State that a checkpoint must carry to continue *exactly*: step, the experience schedule's phase, the prompt
-sampler's epoch/position, consecutive skipped updates, the pool shards, model + optimizer + LR schedule, every
-RNG (checkpoint/ saves the last two groups) and, generating ahead, the plans and rollouts in flight.
+sampler's epoch/position, consecutive skipped updates, the pool shards (or the response store's), model +
+optimizer + LR schedule, every RNG (checkpoint/ saves the last two groups) and, generating ahead, the plans
+and rollouts in flight.
 Checkpoints from before the schedule (a delayed-start "switch" and "collected_once") resume through
 `experience.schedule.legacy_state`.
 """
@@ -28,7 +29,10 @@ from exgrpo_megatron.checkpoint.model_state import ensure_signal_proof_save_work
 from exgrpo_megatron.components import Components
 from exgrpo_megatron.config.loader import to_yaml
 from exgrpo_megatron.config.resume_changes import check_resume_config
+from exgrpo_megatron.config.validate import ConfigError
+from exgrpo_megatron.data.token_cache import tokenizer_fingerprint
 from exgrpo_megatron.experience.phase import legacy_state
+from exgrpo_megatron.experience.pool_file import PoolFileError, export_store, import_store
 from exgrpo_megatron.logging import MetricsLogger, ProgressBar, save_resolved_config
 from exgrpo_megatron.policy.warm_start import warm_start_weights
 from exgrpo_megatron.validation import validate_accuracy
@@ -102,6 +106,7 @@ class RunState:
                     print(f"exgrpo-train: resume: {line}", file=sys.stderr)
             self.load(resume)
             return True
+        self.import_store_file()  # before the slow weight loading: a refused pool file stops the run early
         if cfg.checkpoint.init_from or cfg.trainer.sft_warm_start_steps > 0:
             c.policy.load_weights(cfg.checkpoint.init_from or warm_start_weights(cfg, c.tokenizer))
         return False
@@ -121,9 +126,29 @@ class RunState:
                 **{name: part.state_dict() for name, part in self.stateful_parts().items()}}
 
     def pool_shard(self) -> tuple[dict, dict] | None:
-        """This DP replica's pool as a checkpoint holds it (arrays, meta); None without a pool."""
-        pool = self.c.pool.state_dict() if self.c.pool is not None else None
+        """This DP replica's pool -- the experience pool, or the response store (a variant has one or neither) --
+        as a checkpoint holds it (arrays, meta); None without either."""
+        store = self.c.pool if self.c.pool is not None else self.c.responses
+        pool = store.state_dict() if store is not None else None
         return (pool["arrays"], pool["meta"]) if pool is not None else None
+
+    def store_file_identity(self) -> dict[str, Any]:
+        """What a pool file records of this run and checks on reading (experience/pool_file.py)."""
+        c = self.c
+        return {"vocab_size": c.cfg.model.vocab_size, "tokenizer": tokenizer_fingerprint(c.tokenizer),
+                "prompt_ids": lambda qid: c.train_data[qid].prompt_ids}
+
+    def import_store_file(self) -> None:
+        """A new run's initial response store from `experience.pool_file_in` (ConfigError naming it: exit 2)."""
+        path = self.c.cfg.experience.pool_file_in
+        if self.c.responses is None or not path:
+            return
+        try:
+            import_store(self.c.responses, path, **self.store_file_identity())
+        except PoolFileError as exc:
+            raise ConfigError([f"experience.pool_file_in: {exc}"]) from None
+        if self.c.layout.rank == 0:
+            print(f"exgrpo-train: response store from {path}", file=sys.stderr)
 
     def save(self, step: int) -> None:
         if step == self.last_saved:
@@ -136,6 +161,9 @@ class RunState:
             config_yaml=to_yaml(c.cfg), model_config_yaml=model_config_to_yaml(c.cfg.model),
             keep_last=c.cfg.checkpoint.keep_last)
         self.last_saved = step
+        if c.responses is not None and c.cfg.experience.pool_file_out:
+            export_store(c.responses, c.cfg.experience.pool_file_out, is_writer=c.layout.rank == 0, step=step,
+                         **self.store_file_identity())
         if c.layout.rank == 0:
             message = f"exgrpo-train: saved checkpoint {path}"
             if self.progress is not None:
@@ -158,9 +186,11 @@ class RunState:
             ts = {**ts, "schedule": legacy_state(ts["switch"], bool(ts["collected_once"]))}
         for name, part in self.stateful_parts().items():
             part.load_state_dict(ts[name])
-        if c.pool is not None and loaded.pool_shards:
-            states = [{"arrays": arrays, "meta": meta} for arrays, meta in loaded.pool_shards]
+        states = [{"arrays": arrays, "meta": meta} for arrays, meta in loaded.pool_shards]
+        if c.pool is not None and states:
             c.pool.load_state_dicts(states)
+        if c.responses is not None and states:
+            c.responses.load_state_dicts(states)
         if c.layout.rank == 0:
             print(f"exgrpo-train: resumed from {loaded.path} at step {self.step}", file=sys.stderr)
 

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None, observers: Sequence[StepObserver] = ()) 
 def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequence[StepObserver]) -> int:
     from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.config.loader import load_config
-    from exgrpo_megatron.config.validate import ConfigError, validate
+    from exgrpo_megatron.config.validate import ConfigError, response_store_key_errors, validate
     from exgrpo_megatron.distributed.launch_env import launch_env
     from exgrpo_megatron.planning.startup_checks import moe_startup_errors, vllm_startup_errors
 
@@ -89,6 +89,11 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequ
         dry_run = args.dry_run or cfg.dry_run
         validate(cfg, world_size, check_paths=not dry_run)  # a dry run plans from the preset's shape: no files read
         algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+        store_errors = response_store_key_errors(cfg.experience, cfg.algo.name,
+                                                 getattr(algorithm, "experience_keys", frozenset()),
+                                                 algorithm.uses_pool)
+        if store_errors:
+            raise ConfigError(store_errors)
         if cfg.rollout.max_staleness > 0 and algorithm.filters_groups and cfg.algo.max_refill_rounds > 0:
             raise ConfigError([f"algo.name: {cfg.algo.name} filters groups and refills the batch, which needs the "
                                "step's own rewards before generating more; not with rollout.max_staleness > 0"])

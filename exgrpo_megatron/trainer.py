@@ -42,6 +42,7 @@ from exgrpo_megatron.policy.train_batch import (
 )
 from exgrpo_megatron.reward.rollout_rewards import rewards_per_group
 from exgrpo_megatron.rollout.group_filter import StepRollouts, filter_and_refill
+from exgrpo_megatron.rollout.stored_responses import stored_outcomes, with_stored_responses
 from exgrpo_megatron.rollout.types import Sample
 from exgrpo_megatron.rollout_service import GeneratedGroups, step_seed
 from exgrpo_megatron.run_state import RunState
@@ -79,6 +80,8 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float | s
     if c.algorithm.filters_groups:
         rollouts = refill_dropped_groups(c, rollouts, step)
         timer.lap("refill")
+    if c.responses is not None:  # in-group / rescue replay: before this step's responses enter the store
+        rollouts = with_stored_responses(c.responses, rollouts)
     trained = train_on(c, state, rollouts, phase, timer)
     collect_into_pool(c, rollouts, step)
     timer.lap("pool")
@@ -100,6 +103,8 @@ def train_step_ahead(c: Components, ahead: AheadGeneration, state: RunState, ste
     phase = Phase(planned.phase)
     r, d = c.layout.dp_rank, c.layout.dp_size
     rollouts = StepRollouts.unfiltered(planned.groups[r::d], result.samples[r::d], result.rewards[r::d])
+    if c.responses is not None:  # in-group / rescue replay: before this step's responses enter the store
+        rollouts = with_stored_responses(c.responses, rollouts)
     collect_into_pool(c, rollouts, step)
     nxt = step + ahead.staleness
     ahead.submit(nxt, c.schedule.phase.value, plan_step(c, nxt, c.schedule.phase), weights_step=step - 1)
@@ -146,6 +151,8 @@ def step_report(c: Components, trained: TrainMetrics, grader_deaths: int, timer:
     out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(timer.total(), 1e-9)
     if c.pool is not None:
         out.update(c.pool.stats())
+    if c.responses is not None:
+        out.update(c.responses.stats())
     return out
 
 
@@ -244,11 +251,15 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase)
 
 
 def collect_into_pool(c: Components, rollouts: StepRollouts, step: int) -> None:
-    """What the pool learns from every group graded this step, trained on or not (nothing without a pool), its age
-    bound (`experience.max_age_steps`), then the schedule's step end (its phase follows the step's solved fraction)."""
+    """What the pool (or the response store) learns from every group graded this step, trained on or not (nothing
+    without either), its age bound (`experience.max_age_steps`), then the schedule's step end (its phase follows
+    the step's solved fraction)."""
     if c.pool is not None:
         c.pool.update(pool_outcomes(c.algorithm, rollouts, step, collect=c.schedule.collects))
         c.pool.expire(step)
+    if c.responses is not None:  # the response store: every generated response, then its staleness bound
+        c.responses.update(stored_outcomes(rollouts, step))
+        c.responses.expire(step)
     all_rewards = [x for group_rewards in rollouts.graded_rewards for x in group_rewards]
     c.schedule.end_step(solved_fraction(all_rewards, c.dp_group), step)
 

@@ -24,8 +24,9 @@ from exgrpo_megatron.algo.loss import TruncatedIS, loss_normalisers, truncated_i
 from exgrpo_megatron.algo.loss_metrics import StepMetric, declared_metrics, metric_reduce_op, summarize_loss_metrics
 from exgrpo_megatron.algo.policy_loss import LossBatch, LossSpec, ReplayTerm, policy_loss
 from exgrpo_megatron.algo.surrogates import PPOClip, Surrogate
-from exgrpo_megatron.config.schema import AlgoConfig
+from exgrpo_megatron.config.schema import AlgoConfig, ExperienceConfig
 from exgrpo_megatron.experience.phase import Phase
+from exgrpo_megatron.experience.response_store import ResponseReplay
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class GroupRelative:
     algo_keys: ClassVar[frozenset[str]] = frozenset({
         "adv_std_normalize", "ratio", "entropy_coeff", "loss_agg_mode", "loss_seqs_per_rank_ref", "fresh_is_cap"})
     fixed_algo_keys: ClassVar[Mapping[str, tuple[Any, str]]] = {}  # key: (the value it always takes, why)
+    # the response store's experience.* keys it reads (config/validate.py RESPONSE_STORE_KEYS; others refuse them)
+    experience_keys: ClassVar[frozenset[str]] = frozenset()
     unused_algo_keys: ClassVar[Mapping[str, str]] = {  # key: why it is not read (warned when set)
         "entropy_microbatches_ref": "its entropy bonus is entropy_coeff x the token mean of H (the variants that "
                                     "scale it to the original code's micro-batches: exgrpo, grpo)",
@@ -116,6 +119,10 @@ class GroupRelative:
     @property
     def replay_term(self) -> ReplayTerm | None:
         """The replay term; None: a loss without one (on-policy: a replayed row is an error, no replay metrics)."""
+        return None
+
+    def response_replay(self, experience: ExperienceConfig) -> ResponseReplay | None:
+        """Which stored responses a fresh group gains from the response store (None: no store, nothing gained)."""
         return None
 
     def replay_denominator_logprobs(self, old_logprobs: Tensor, behaviour_logprobs: Tensor, replay: Tensor) -> Tensor:

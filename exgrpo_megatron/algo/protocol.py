@@ -12,6 +12,8 @@ The trainer asks the algorithm, and nothing else, for
     the phase (`clips(phase)`: PPO clip on fresh tokens);
   * `uses_pool` (False = on-policy: no pool; the pool's settings are the `experience` config group's) and
     `pool_outcome` (what the pool learns from one graded group);
+  * `response_replay(experience)`: which of a fresh question's stored past responses its group gains (in-group
+    and rescue replay, experience/response_store.py; None: the run keeps no response store);
   * `metric_reduce_op` / `step_metrics`: how its loss metrics combine and the step metrics it declares (only
     those its loss returns the terms of; algo/loss_metrics.py).
 
@@ -30,8 +32,9 @@ import numpy as np
 from torch import Tensor
 
 from exgrpo_megatron.algo.policy_loss import LossBatch
-from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
+from exgrpo_megatron.config.schema import AlgoConfig, ExperienceConfig, TrainerConfig
 from exgrpo_megatron.experience.phase import Phase
+from exgrpo_megatron.experience.response_store import ResponseReplay
 from exgrpo_megatron.experience.types import GroupOutcome
 
 
@@ -91,6 +94,10 @@ class RLAlgorithm(Protocol):
     def pool_outcome(self, qid: int, responses: Sequence[GradedResponse], step: int,
                      collect: bool) -> GroupOutcome | None:
         """What the experience pool learns from one graded group (None: nothing)."""
+        ...
+
+    def response_replay(self, experience: ExperienceConfig) -> ResponseReplay | None:
+        """Which stored responses of a fresh question its group gains, no generation (None: no response store)."""
         ...
 
     def metric_reduce_op(self, key: str) -> str:

@@ -125,6 +125,7 @@ DOMAINS: dict[str, Domain] = {
     "experience.max_age_steps": NON_NEGATIVE,  # 0 = no age bound
     "experience.bucket_mu": ANY_FINITE, "experience.bucket_sigma": POSITIVE,
     "experience.max_trajectories_per_question": NON_NEGATIVE,  # 0 = no cap
+    "experience.ingroup_size": AT_LEAST_1,  # r stored responses per fresh group at most
     # data
     "data.max_prompt_length": AT_LEAST_1, "data.max_response_length": AT_LEAST_1,
     "data.num_val_examples": AT_LEAST_1, "data.num_train_examples": AT_LEAST_1,
@@ -207,6 +208,8 @@ def path_errors(cfg: RootConfig) -> list[str]:
         wanted.append(("checkpoint.init_from", ck.init_from, "dir"))
     if _is_resume_path(ck.resume):
         wanted.append(("checkpoint.resume", ck.resume, "dir"))
+    if cfg.experience.pool_file_in:
+        wanted.append(("experience.pool_file_in", cfg.experience.pool_file_in, "file"))
     errors = []
     for key, value, kind in wanted:
         reason = _path_problem(value, kind)

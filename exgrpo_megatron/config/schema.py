@@ -167,6 +167,11 @@ class ExperienceConfig:
     bucket_sigma: float = 1.0
     metric: str = "ent"  # trajectory selection: ent | ppl | random
     select_mode: str = "argmin"  # argmin (lowest ent/ppl, paper) | argmax (highest: Tab. 6 ablation)
+    # the response store (algo.name=ingroup_replay | rescue_replay; experience/response_store.py)
+    ingroup_size: int = 8  # r: stored responses a fresh group gains at most (ingroup_replay)
+    ingroup_failures: bool = True  # store and replay failures too (false: successes only, as RLEP)
+    pool_file_in: Optional[str] = None  # start from this pool file's store (written by another run); None: empty
+    pool_file_out: Optional[str] = None  # write the store to this file with every checkpoint; None: not written
 
     def retire_above(self, group_size: int) -> int:
         """k above which a question retires: retire_correct_above, or K - 1 when unset."""

@@ -20,7 +20,7 @@ from exgrpo_megatron.config.families import FAMILIES
 from exgrpo_megatron.config.model_function import allow_model_changes_errors
 from exgrpo_megatron.config.moe_checks import moe_config_errors
 from exgrpo_megatron.config.pi_old_source import resolve_old_logprobs_for
-from exgrpo_megatron.config.schema import CHOICES, LORA_TARGETS, AlgoConfig, RootConfig
+from exgrpo_megatron.config.schema import CHOICES, LORA_TARGETS, AlgoConfig, ExperienceConfig, RootConfig
 
 
 class ConfigError(ValueError):
@@ -122,6 +122,21 @@ def experience_errors(cfg: RootConfig) -> list[str]:
                  f"admit_correct_at_most ({x.admit_correct_at_most}) <= retire_correct_above ({retire}) < "
                  f"rollout.n ({k})")
     return e
+
+
+# the response store's experience.* keys (experience/response_store.py): read only by the variants that declare them
+RESPONSE_STORE_KEYS = ("ingroup_size", "ingroup_failures", "max_age_steps", "pool_file_in", "pool_file_out")
+
+
+def response_store_key_errors(x: ExperienceConfig, algo_name: str, reads: frozenset[str], uses_pool: bool
+                              ) -> list[str]:
+    """A response-store key set away from its default for a variant that does not read it (`reads`: the variant's
+    `experience_keys`; the experience pool reads experience.max_age_steps too, `uses_pool`)."""
+    default = ExperienceConfig()
+    read = reads | ({"max_age_steps"} if uses_pool else set())
+    return [f"experience.{key}: {getattr(x, key)!r} is not read by algo.name={algo_name} (the response store's key: "
+            "algo.name=ingroup_replay or rescue_replay); remove it or choose a variant that reads it"
+            for key in RESPONSE_STORE_KEYS if getattr(x, key) != getattr(default, key) and key not in read]
 
 
 # algo.* keys the trainer reads whatever the variant (the others are the variant's: it declares which it reads)

@@ -31,11 +31,11 @@ def splice_replay(
         raise ValueError(
             f"{len(replay_behaviour_logprobs)} behaviour log-probs for {len(replay_response_ids)} replay tokens"
         )
-    replay = Sample(
-        prompt_ids=list(replay_prompt_ids),
-        response_ids=list(replay_response_ids),
-        logprobs=[float(x) for x in replay_behaviour_logprobs],
-        finish_reason="replay",
-        is_replay=True,
-    )
-    return [*fresh, replay]
+    return [*fresh, stored_sample(replay_prompt_ids, replay_response_ids, replay_behaviour_logprobs)]
+
+
+def stored_sample(prompt_ids: list[int], response_ids: list[int], behaviour_logprobs: list[float]) -> Sample:
+    """A stored response as a sample of its group: `finish_reason="replay"`, `is_replay=True`, the recorded
+    behaviour log-probs (one per response token)."""
+    return Sample(prompt_ids=list(prompt_ids), response_ids=list(response_ids),
+                  logprobs=[float(x) for x in behaviour_logprobs], finish_reason="replay", is_replay=True)
