@@ -9,6 +9,13 @@ box the CPU time is the better estimate of the cost on an idle core.
 
     python bench/experience_pool.py            # all sizes; writes bench/results/experience_pool.json
     python bench/experience_pool.py 1e3 1e4    # chosen sizes (still writes the JSON)
+
+The response store of in-group / rescue replay (experience/response_store.py), `--response-store`: filled with r = 8
+responses (token ids, recorded log-probs, reward, step) for each of N questions, then per step update(128 groups of
+K = 8) + fetch(128 questions) + expire + stats; its RSS per stored token, its checkpoint payload, and the time per
+step (bench/response_store.py; writes bench/results/response_store.json).
+
+    python bench/experience_pool.py --response-store 1e4 1e5
 """
 
 from __future__ import annotations
@@ -111,6 +118,11 @@ def _child(n_questions: int, queue) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--response-store"]:
+        from bench.response_store import main as response_store_main
+
+        response_store_main([int(float(a)) for a in sys.argv[2:]])
+        return
     ctx = mp.get_context("spawn")
     rows = []
     header = f"{'questions':>10} {'traj':>9} {'step ms (med/p90)':>18} {'cpu ms':>7} {'update ms':>9} " \

@@ -63,6 +63,9 @@ def _fill(store: ResponseStore, steps: dict[int, dict[int, list[float]]]) -> dic
             made.setdefault(q, []).extend(rs)
         store.update(stored_outcomes(_rollouts(gen), step))
         store.expire(step)
+        held = [r for q in store.state_dict()["arrays"]["qids"].tolist() for r in store.responses(q)]
+        assert store.stats() == {"responses/questions": store.num_questions, "responses/stored": len(held),
+                                 "responses/stored_tokens": sum(r.token_ids.shape[0] for r in held)}
     return made
 
 

@@ -84,8 +84,13 @@ class ResponseStore:
         self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self._reset()
+
+    def _reset(self) -> None:
         self._responses: dict[int, list[StoredResponse]] = {}
         self._expiry: list[tuple[int, int]] = []  # min-heap of (oldest collection step, qid)
+        self.num_responses = 0  # kept up to date, so that the step's stats cost O(1)
+        self.num_tokens = 0
 
     def owns(self, qid: int) -> bool:
         return owner_rank(qid, self.dp_size) == self.dp_rank
@@ -97,10 +102,6 @@ class ResponseStore:
     @property
     def num_questions(self) -> int:
         return len(self._responses)
-
-    @property
-    def num_responses(self) -> int:
-        return sum(len(v) for v in self._responses.values())
 
     # ---------------------------------------------------------------- collectives
     def _all_gather(self, local: Any) -> list[Any]:
@@ -119,9 +120,17 @@ class ResponseStore:
                 if responses and self.owns(qid):
                     self._add(qid, list(responses))
 
+    def _set(self, qid: int, stored: list[StoredResponse]) -> None:
+        """The question's responses become `stored` (none: it leaves the store); the counts follow."""
+        old = self._responses.pop(qid, [])
+        self.num_responses += len(stored) - len(old)
+        self.num_tokens += sum(r.token_ids.shape[0] for r in stored) - sum(r.token_ids.shape[0] for r in old)
+        if stored:
+            self._responses[qid] = stored
+
     def _add(self, qid: int, newest: list[StoredResponse]) -> None:
         stored = (newest + self._responses.get(qid, []))[:self.replay.per_question]
-        self._responses[qid] = stored
+        self._set(qid, stored)
         if self.max_age_steps:
             heapq.heappush(self._expiry, (min(r.step for r in stored), qid))
 
@@ -139,8 +148,7 @@ class ResponseStore:
 
     def stats(self) -> dict[str, float]:
         """Store-wide questions, responses and tokens (collective)."""
-        local = np.asarray([self.num_questions, self.num_responses,
-                            sum(r.token_ids.shape[0] for v in self._responses.values() for r in v)], dtype=np.int64)
+        local = np.asarray([self.num_questions, self.num_responses, self.num_tokens], dtype=np.int64)
         total = all_gather_int64(local, self.dp_group, self.dp_size).sum(axis=0)
         return {"responses/questions": float(total[0]), "responses/stored": float(total[1]),
                 "responses/stored_tokens": float(total[2])}
@@ -166,11 +174,9 @@ class ResponseStore:
                 continue
             keep = [r for r in stored if r.step >= cutoff]
             dropped += len(stored) - len(keep)
+            self._set(qid, keep)
             if keep:
-                self._responses[qid] = keep
                 heapq.heappush(self._expiry, (min(r.step for r in keep), qid))
-            else:
-                del self._responses[qid]
         return dropped
 
     # ---------------------------------------------------------------- state
@@ -198,7 +204,7 @@ class ResponseStore:
         """Replace the content with the owned questions of `states` (the shards saved at any DP size). `step` maps a
         saved collection step to this run's (a pool file's responses count as collected at step 0); the rule's cap
         and its success filter apply to what is loaded."""
-        self._responses, self._expiry = {}, []
+        self._reset()
         for state in states:
             meta, arrays = state["meta"], state["arrays"]
             if meta.get("format") != STORE_FORMAT or int(meta.get("version", -1)) > STORE_VERSION:
