@@ -26,13 +26,13 @@ from exgrpo_megatron.checkpoint import (
     save_checkpoint,
 )
 from exgrpo_megatron.checkpoint.model_state import ensure_signal_proof_save_workers
+from exgrpo_megatron.checkpoint.pool_file import PoolFileError, export_store, import_store
 from exgrpo_megatron.components import Components
 from exgrpo_megatron.config.loader import to_yaml
 from exgrpo_megatron.config.resume_changes import check_resume_config
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.token_cache import tokenizer_fingerprint
 from exgrpo_megatron.experience.phase import legacy_state
-from exgrpo_megatron.experience.pool_file import PoolFileError, export_store, import_store
 from exgrpo_megatron.logging import MetricsLogger, ProgressBar, save_resolved_config
 from exgrpo_megatron.policy.warm_start import warm_start_weights
 from exgrpo_megatron.validation import validate_accuracy
@@ -133,7 +133,7 @@ class RunState:
         return (pool["arrays"], pool["meta"]) if pool is not None else None
 
     def store_file_identity(self) -> dict[str, Any]:
-        """What a pool file records of this run and checks on reading (experience/pool_file.py)."""
+        """What a pool file records of this run and checks on reading (checkpoint/pool_file.py)."""
         c = self.c
         return {"vocab_size": c.cfg.model.vocab_size, "tokenizer": tokenizer_fingerprint(c.tokenizer),
                 "prompt_ids": lambda qid: c.train_data[qid].prompt_ids}

@@ -1,4 +1,4 @@
-"""The response store (experience/response_store.py) and its pool file (experience/pool_file.py), in one process:
+"""The response store (experience/response_store.py) and its pool file (checkpoint/pool_file.py), in one process:
 
 * what a fresh group gains: in-group replay the newest r stored responses (failures too, or successes only), rescue
   replay one stored success and only when all K fresh responses fail;
@@ -17,16 +17,16 @@ import struct
 import numpy as np
 import pytest
 
-from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.config.validate import response_store_key_errors
-from exgrpo_megatron.data.step_plan import QuestionGroup
-from exgrpo_megatron.experience.pool_file import (
+from exgrpo_megatron.checkpoint.pool_file import (
     PoolFileError,
     export_store,
     import_store,
     read_pool_file,
     write_pool_file,
 )
+from exgrpo_megatron.config.loader import load_config
+from exgrpo_megatron.config.validate import response_store_key_errors
+from exgrpo_megatron.data.step_plan import QuestionGroup
 from exgrpo_megatron.experience.response_store import ResponseReplay, ResponseStore, StoredResponse
 from exgrpo_megatron.rollout.group_filter import StepRollouts
 from exgrpo_megatron.rollout.stored_responses import stored_outcomes, with_stored_responses

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exgrpo_megatron.experience.pool_file import merge_states, read_pool_file
+from exgrpo_megatron.checkpoint.pool_file import merge_states, read_pool_file
 from exgrpo_megatron.logging import read_metrics
 from tests.test_trainer_resume import (
     _assert_same_metrics,

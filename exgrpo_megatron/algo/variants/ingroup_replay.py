@@ -14,7 +14,7 @@ C: `algo.replay_tis_cap` 0 (the schema's default, ExGRPO's "no truncated IS") me
 needs the correction (it was sampled by an older policy), and a cap of 2 lets a response the policy now likes more
 weigh up to twice, no more, bounding the variance as in the ExGRPO authors' port (conf/exgrpo_su01.yaml) and slime's
 truncated IS. The store keeps the newest r responses of each question (the current step's K replace older ones).
-A run can start from another run's store (`experience.pool_file_in`, RLEP; experience/pool_file.py).
+A run can start from another run's store (`experience.pool_file_in`, RLEP; checkpoint/pool_file.py).
 """
 
 from __future__ import annotations
