@@ -137,3 +137,24 @@ def test_a_bad_pool_file_stops_the_run_with_exit_2_naming_the_key(reference, tmp
                                      f"checkpoint.init_from={reference['init']}"), expect=2)
     assert "experience.pool_file_in:" in log and reason in log
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", ["rescue_replay", "ingroup_replay"])
+def test_dp2_runs_replay_from_stores_split_over_the_ranks(reference, tmp_path, name):
+    """DP=2 (each rank owns some of the 8 questions and generates others: fetching a question's responses is a
+    collective every rank joins, with or without groups to enlarge). Rescue replay gains only stored successes, and
+    only in groups whose fresh responses all failed: a replayed row's reward is 1 and the step's replayed rows are at
+    most its all-fail groups."""
+    run_dir = tmp_path / name
+    overrides = [o for o in _overrides(reference["data"], N_STEPS, f"checkpoint.init_from={reference['init']}")
+                 if not o.startswith("experience.ingroup_size") or name == "ingroup_replay"]
+    overrides = [o.replace("algo.name=ingroup_replay", f"algo.name={name}") for o in overrides]
+    _train(run_dir, overrides, world=2)
+    metrics = read_metrics(str(run_dir / "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == list(range(1, N_STEPS + 1))
+    assert sum(m["replay/token_fraction"] > 0 for m in metrics) >= 2
+    for m in metrics:
+        assert m["generation/trajectories"] == BATCH * K
+        if name == "rescue_replay" and m["replay/token_fraction"] > 0:
+            assert m["reward/replay_mean"] == 1.0
+            assert m["responses/stored"] == m["responses/questions"]  # one success per question, no failure
