@@ -116,6 +116,9 @@ def test_a_pool_file_carries_the_store_to_another_run(reference, tmp_path):
     log = _train(run_dir, _overrides(reference["data"], 1, f"experience.pool_file_in={reference['pool_file']}",
                                      "experience.ingroup_failures=false", f"checkpoint.init_from={reference['init']}"))
     assert f"response store from {reference['pool_file']}" in log
+    assert ("response replay: each fresh group gains up to 3 of its question's newest stored responses (successes "
+            f"only), none generated; stored responses replayed up to 3 steps old; initial store from "
+            f"{reference['pool_file']}") in log
     first, = read_metrics(str(run_dir / "metrics.jsonl"))
     assert first["replay/token_fraction"] > 0 and first["reward/replay_mean"] == 1.0  # stored successes only
 

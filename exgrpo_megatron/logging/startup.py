@@ -7,6 +7,7 @@ from exgrpo_megatron.config.derived import resolve_params_dtype
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.cpu_warnings import cpu_run_banner
 from exgrpo_megatron.distributed.runtime import ParallelLayout
+from exgrpo_megatron.experience.response_store import ResponseReplay
 from exgrpo_megatron.machine.cpu_precision import cpu_precision_line, this_cpu_bf16_unit
 from exgrpo_megatron.model.builder import resolve_layer_spec
 from exgrpo_megatron.planning.dry_run import generation_line, replay_line
@@ -29,8 +30,10 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
                  f"(world {layout.world_size}, {layout.device.type})")
     val = f"validation avg@{t.val_n} every {t.val_every} steps" if t.val_every else "no validation"
     lines.append(f"{t.total_steps} steps of {t.train_batch_size} prompts x {cfg.rollout.n} rollouts; {val}")
-    replays = build_algorithm(cfg.algo, t, cfg.data.max_response_length).uses_pool
-    lines += [f"algorithm {cfg.algo.name}; {replay_line(cfg, replays)}",
+    algorithm = build_algorithm(cfg.algo, t, cfg.data.max_response_length)
+    rule = algorithm.response_replay(cfg.experience)
+    replay = replay_line(cfg, algorithm.uses_pool) if rule is None else response_replay_line(cfg, rule)
+    lines += [f"algorithm {cfg.algo.name}; {replay}",
               *(f"note: {note}" for note in algorithm_notes(cfg.algo)), generation_line(cfg)]
     lo = cfg.lora
     if lo.rank > 0:
@@ -38,3 +41,14 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
         lines.append(f"LoRA rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lo.targets)}{experts}: the base weights "
                      "are frozen, only the adapters train")
     return "\n".join(PREFIX + line for line in lines)
+
+
+def response_replay_line(cfg: RootConfig, rule: ResponseReplay) -> str:
+    """What in-group / rescue replay adds to a fresh group (experience/response_store.py)."""
+    x = cfg.experience
+    gains = ("a fresh group whose responses all fail gains its question's newest stored success" if rule.rescue_only
+             else f"each fresh group gains up to {rule.per_question} of its question's newest stored responses "
+             f"({'successes and failures' if rule.failures else 'successes only'})")
+    age = f"; stored responses replayed up to {x.max_age_steps} steps old" if x.max_age_steps else ""
+    start = f"; initial store from {x.pool_file_in}" if x.pool_file_in else ""
+    return f"response replay: {gains}, none generated{age}{start}"
