@@ -104,6 +104,10 @@ class RunState:
             return True
         if cfg.checkpoint.init_from or cfg.trainer.sft_warm_start_steps > 0:
             c.policy.load_weights(cfg.checkpoint.init_from or warm_start_weights(cfg, c.tokenizer))
+        if cfg.lora.init_from:  # adapters trained elsewhere (PEFT's format) on the base just loaded
+            from exgrpo_megatron.convert.peft_adapter import megatron_adapters_from_peft
+
+            c.policy.load_adapters(megatron_adapters_from_peft(cfg.lora.init_from, cfg.model, cfg.lora))
         return False
 
     # ------------------------------------------------------------------ checkpoint
