@@ -100,3 +100,47 @@ def test_lora_run_trains_only_the_adapters_generates_with_them_and_resumes_bitwi
     for row in logged[2:]:
         assert steps[row["step"]]["reward/mean"] == row["reward/mean"]
         assert steps[row["step"]]["loss/policy"] == row["loss/policy"]
+
+
+def _peft_dir_for_the_demo(out_dir: str, overrides: list[str]) -> dict[str, torch.Tensor]:
+    """A PEFT adapter directory for the run's model (random A and B, written as the export writes them); returns
+    the megatron adapters it stands for."""
+    from exgrpo_megatron.convert.peft_adapter import (
+        adapted_weights,
+        peft_adapter_config,
+        peft_adapter_tensors,
+        write_peft_adapter,
+    )
+    from exgrpo_megatron.convert.hf_mapping import megatron_shape
+
+    cfg = load_config("demo_cpu", overrides)
+    rank = cfg.lora.rank
+    g = torch.Generator().manual_seed(4)
+    tensors, full = {}, {}
+    for weight in adapted_weights(cfg.model, cfg.lora.targets):
+        out, inp = megatron_shape(weight, cfg.model)
+        a, b = torch.randn(rank, inp, generator=g), torch.randn(out, rank, generator=g) * 0.1
+        full[weight.removesuffix("weight") + "lora_a"], full[weight.removesuffix("weight") + "lora_b"] = a, b
+        tensors.update(peft_adapter_tensors(weight, a, b, cfg.model))
+    write_peft_adapter(out_dir, tensors, peft_adapter_config(cfg.lora, cfg.lora.targets, None))
+    return full
+
+
+def test_lora_init_from_a_peft_adapter_starts_the_run_from_it(tmp_path):
+    import subprocess
+    import sys
+
+    overrides = _overrides(str(tmp_path / "a"), extra=(*LORA, "trainer.total_steps=1"))
+    want = _peft_dir_for_the_demo(str(tmp_path / "peft"), overrides)
+    run = run_on_ranks(_train_watched, 1, args=([*overrides, f"lora.init_from={tmp_path / 'peft'}"], 1))[0]
+    adapters = {n: t for n, t in run["first"].items() if is_adapter(n)}
+    assert set(adapters) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(adapters[name], tensor), name
+    # a rank the adapter does not have is refused at start-up, exit 2 naming the key
+    refused = [*_overrides(str(tmp_path / "refused"), extra=(*LORA, "trainer.total_steps=1")), "lora.rank=8",
+               "lora.alpha=16", f"lora.init_from={tmp_path / 'peft'}"]
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_megatron.train", "--config-name", "demo_cpu", *refused],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "lora.rank: 8: the adapter at" in proc.stderr, proc.stderr
