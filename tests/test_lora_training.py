@@ -105,13 +105,13 @@ def test_lora_run_trains_only_the_adapters_generates_with_them_and_resumes_bitwi
 def _peft_dir_for_the_demo(out_dir: str, overrides: list[str]) -> dict[str, torch.Tensor]:
     """A PEFT adapter directory for the run's model (random A and B, written as the export writes them); returns
     the megatron adapters it stands for."""
+    from exgrpo_megatron.convert.hf_mapping import megatron_shape
     from exgrpo_megatron.convert.peft_adapter import (
         adapted_weights,
         peft_adapter_config,
         peft_adapter_tensors,
         write_peft_adapter,
     )
-    from exgrpo_megatron.convert.hf_mapping import megatron_shape
 
     cfg = load_config("demo_cpu", overrides)
     rank = cfg.lora.rank
