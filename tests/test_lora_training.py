@@ -59,8 +59,10 @@ def _train_watched(overrides: list[str], last_step: int) -> dict:
 
 
 def test_lora_run_trains_only_the_adapters_generates_with_them_and_resumes_bitwise(tmp_path):
+    # the base: the supervised warm start's sealed cache entry, which the checkpoints name instead of copying
+    base = ("trainer.sft_warm_start_steps=2", f"trainer.sft_cache_dir={tmp_path / 'sft'}")
     straight = run_on_ranks(_train_watched, 1, args=(_overrides(str(tmp_path / "a"), extra=(
-        *LORA, "trainer.total_steps=4")), 4))[0]
+        *LORA, *base, "trainer.total_steps=4")), 4))[0]
     first, last = straight["first"], straight["last"]
     assert first and set(first) == set(last)
     adapters = [n for n in first if is_adapter(n)]
@@ -91,15 +93,47 @@ def test_lora_run_trains_only_the_adapters_generates_with_them_and_resumes_bitwi
     # stopped after the step-2 checkpoint, then resumed to step 4: the same steps, the same adapters
     resumed_dir = str(tmp_path / "b")
     run_on_ranks(_train_watched, 1, args=(_overrides(resumed_dir, extra=(
-        *LORA, "trainer.total_steps=2", "checkpoint.save_every=2")), 2))
+        *LORA, *base, "trainer.total_steps=2", "checkpoint.save_every=2")), 2))
+    saved = _saved_model_keys(tmp_path / "b" / "checkpoints" / "step_00000002")
+    assert saved["adapters"] and not saved["base"], saved  # the adapters and their Adam state, no base weight
+    assert saved["lora_base"]["path"].startswith(str(tmp_path / "sft"))
     resumed = run_on_ranks(_train_watched, 1, args=(_overrides(resumed_dir, extra=(
-        *LORA, "trainer.total_steps=4", "checkpoint.save_every=2")), 4))[0]
+        *LORA, *base, "trainer.total_steps=4", "checkpoint.save_every=2")), 4))[0]
     for name, tensor in last.items():
         assert torch.equal(resumed["last"][name], tensor), name
     steps = {row["step"]: row for row in resumed["logged"]}
     for row in logged[2:]:
         assert steps[row["step"]]["reward/mean"] == row["reward/mean"]
         assert steps[row["step"]]["loss/policy"] == row["loss/policy"]
+
+    # another base at the named path (re-sealed, so its own manifest verifies): the resume is refused, exit 2
+    import subprocess
+    import sys
+
+    from exgrpo_megatron.checkpoint.integrity import write_weights_manifest
+
+    base_dir = Path(saved["lora_base"]["path"])
+    shard = max((base_dir / "model").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    write_weights_manifest(base_dir)
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_megatron.train", "--config-name", "demo_cpu",
+                           *_overrides(resumed_dir, extra=(*LORA, *base, "trainer.total_steps=6"))],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"trained on the base weights {base_dir}, which have changed since" in proc.stderr
+    assert (tmp_path / "b" / "checkpoints" / "step_00000004").is_dir()  # refused, not moved aside
+
+
+def _saved_model_keys(step_dir: Path) -> dict:
+    from exgrpo_megatron.convert.dist_ckpt_io import DistCheckpointReader
+
+    keys = [k for k in DistCheckpointReader(str(step_dir / "model")).metadata.state_dict_metadata
+            if not k.startswith("optimizer")]
+    root = json.loads((step_dir / "checkpoint.json").read_text())
+    return {"adapters": [k for k in keys if is_adapter(k)], "base": [k for k in keys if not is_adapter(k)],
+            "lora_base": root.get("lora_base")}
 
 
 def _peft_dir_for_the_demo(out_dir: str, overrides: list[str]) -> dict[str, torch.Tensor]:

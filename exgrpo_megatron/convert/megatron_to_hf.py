@@ -11,8 +11,9 @@ import os
 
 import torch
 
+from exgrpo_megatron.config.paths import TRAINER_MANIFEST
 from exgrpo_megatron.config.schema import LoraConfig, ModelConfig
-from exgrpo_megatron.convert.dist_ckpt_io import DistCheckpointReader, sharded_key
+from exgrpo_megatron.convert.dist_ckpt_io import DistCheckpointReader, LayeredCheckpointReader, sharded_key
 from exgrpo_megatron.convert.hf_config import (
     MODEL_CONFIG_FILE,
     hf_config_from_model_config,
@@ -54,6 +55,19 @@ def resolve_checkpoint(path: str, model_config: str | None = None) -> tuple[str,
         if os.path.isfile(c):
             return model_dir, c
     raise FileNotFoundError(f"no {MODEL_CONFIG_FILE} for {model_dir} (looked at {cfg_candidates}); pass --model-config")
+
+
+def checkpoint_reader(model_dir: str) -> DistCheckpointReader:
+    """The reader of a checkpoint's model dir; for a LoRA checkpoint of the adapters alone, one that reads the base
+    weights it names (verified first, checkpoint/lora_base.py) under the adapters."""
+    from exgrpo_megatron.checkpoint.lora_base import BASE_KEY, verified_base_dir
+
+    reader = DistCheckpointReader(model_dir)
+    root = _read_json(os.path.join(os.path.dirname(model_dir), TRAINER_MANIFEST)) or {}
+    if BASE_KEY not in root:
+        return reader
+    base = verified_base_dir(root[BASE_KEY], os.path.dirname(model_dir))
+    return LayeredCheckpointReader([reader, DistCheckpointReader(str(base / "model"))])
 
 
 def check_shapes(reader: DistCheckpointReader, cfg: ModelConfig) -> None:
@@ -125,7 +139,7 @@ def convert_megatron_to_hf(ckpt_path: str, out_dir: str, dtype: str = "bf16", to
     model_dir, cfg_path = resolve_checkpoint(ckpt_path, model_config)
     cfg = load_model_config(cfg_path)
     torch_dtype, dtype_name = DTYPES[dtype]
-    reader = DistCheckpointReader(model_dir)
+    reader = checkpoint_reader(model_dir)
     check_shapes(reader, cfg)
     scale = adapter_scale(reader, model_dir)
     writer = ShardedSafetensorsWriter(out_dir, int(shard_size_gb * 2**30))
@@ -194,7 +208,7 @@ def export_peft_adapter(ckpt_path: str, out_dir: str, dtype: str = "fp32", base_
 
     model_dir, cfg_path = resolve_checkpoint(ckpt_path, model_config)
     cfg = load_model_config(cfg_path)
-    reader = DistCheckpointReader(model_dir)
+    reader = checkpoint_reader(model_dir)
     check_shapes(reader, cfg)
     lora = checkpoint_lora(reader, model_dir)
     if lora is None:
