@@ -178,3 +178,35 @@ def test_lora_init_from_a_peft_adapter_starts_the_run_from_it(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "lora.rank: 8: the adapter at" in proc.stderr, proc.stderr
+
+
+def _save_full_model(overrides: list[str], out_dir: str) -> dict[str, torch.Tensor]:
+    """A full fine-tuning policy's weights (perturbed from their init) as a sealed weights-only dir."""
+    from exgrpo_megatron.checkpoint import model_config_to_yaml
+    from exgrpo_megatron.checkpoint.weights import save_model_weights
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.policy.policy import Policy
+    from tests.helpers.gather import full_tensors, load_full_tensors
+
+    cfg = load_config("demo_cpu", overrides)
+    init_distributed(1, 1, seed=cfg.seed)
+    policy = Policy(cfg)
+    g = torch.Generator().manual_seed(6)
+    full = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in sorted(full_tensors(policy.modules).items())}
+    load_full_tensors(policy.modules, full)
+    save_model_weights(out_dir, policy.modules, model_config_yaml=model_config_to_yaml(cfg.model))
+    return full
+
+
+def test_lora_from_a_base_checkpoint_starts_from_it_and_names_it(tmp_path):
+    overrides = _overrides(str(tmp_path / "a"), extra=("trainer.total_steps=1", "checkpoint.save_every=1"))
+    base = run_on_ranks(_save_full_model, 1, args=(overrides, str(tmp_path / "base")))[0]
+    run = run_on_ranks(_train_watched, 1, args=([*overrides, *LORA, f"checkpoint.init_from={tmp_path / 'base'}"],
+                                               1))[0]
+    frozen = {n: t for n, t in run["first"].items() if not is_adapter(n)}
+    assert set(frozen) == set(base)
+    for name, tensor in base.items():
+        assert torch.equal(frozen[name], tensor), name
+    saved = _saved_model_keys(tmp_path / "a" / "checkpoints" / "step_00000001")
+    assert saved["adapters"] and not saved["base"]
+    assert saved["lora_base"]["path"] == str((tmp_path / "base").resolve())
