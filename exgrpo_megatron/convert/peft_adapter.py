@@ -155,7 +155,7 @@ def _check_adapter(where: str, cfg: ModelConfig, lora: LoraConfig, shapes: dict[
     if targets != ours:
         raise PeftAdapterError(f"lora.targets: {sorted(ours)} adapt this model, the adapter at {where} adapts "
                                f"{sorted(targets)}")
-    fused = max(len(TARGET_PROJECTIONS[t]) for t in targets)
+    fused = max((len(TARGET_PROJECTIONS[t]) for t in targets), default=1)
     if not math.isclose(lora.alpha / lora.rank, alpha / r, rel_tol=1e-9):
         raise PeftAdapterError(f"lora.alpha: {lora.alpha} / lora.rank {lora.rank} != the adapter's lora_alpha "
                                f"{alpha} / r {r}: the adapter's scale must be kept")
