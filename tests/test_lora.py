@@ -183,6 +183,7 @@ def test_ep2_with_adapters_on_the_experts_equals_ep1():
     (["lora.rank=-1"], "lora.rank"), (["lora.alpha=0"], "lora.alpha"), (["lora.dropout=1.0"], "lora.dropout"),
     (["lora.init=xavier"], "lora.init"), (["lora.targets=[linear_qkv,router]"], "lora.targets"),
     (["lora.targets=[]", "lora.rank=8"], "lora.targets"),
+    (["lora.init_from=/an/adapter"], "lora.init_from"),  # adapters to start from, in a run without adapters
     (["lora.rank=8", "rollout.engine=vllm", "model.hf_path=/x"], "rollout.engine"),
     (["lora.rank=8", "rollout.max_staleness=1", "algo.fresh_is_cap=2"], "rollout.max_staleness"),
     (["lora.rank=8", "model.layer_spec=te"], "model.layer_spec"),
