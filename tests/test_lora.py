@@ -183,6 +183,7 @@ def test_ep2_with_adapters_on_the_experts_equals_ep1():
     (["lora.rank=-1"], "lora.rank"), (["lora.alpha=0"], "lora.alpha"), (["lora.dropout=1.0"], "lora.dropout"),
     (["lora.init=xavier"], "lora.init"), (["lora.targets=[linear_qkv,router]"], "lora.targets"),
     (["lora.targets=[]", "lora.rank=8"], "lora.targets"),
+    (["lora.init_from=/an/adapter"], "lora.init_from"),  # adapters to start from, in a run without adapters
     (["lora.rank=8", "rollout.engine=vllm", "model.hf_path=/x"], "rollout.engine"),
     (["lora.rank=8", "rollout.max_staleness=1", "algo.fresh_is_cap=2"], "rollout.max_staleness"),
     (["lora.rank=8", "model.layer_spec=te"], "model.layer_spec"),
@@ -255,3 +256,86 @@ def test_startup_block_names_the_adapters_only_when_on():
     assert on[-1] == ("exgrpo-train: LoRA rank 4, alpha 16 on linear_qkv: the base weights are frozen, only the "
                       "adapters train")
     assert "LoRA" not in startup_block(load_config("demo_cpu", []), layout)
+
+
+def _dropout_cases(p: float) -> dict:
+    """An adapted column-parallel linear with `lora.dropout` p at TP=1: its output in training mode and in eval mode,
+    and a float64 reference of each (the training mask drawn again from the same torch seed)."""
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.model.builder import transformer_config
+    from exgrpo_megatron.model.lora import LoraColumnParallelLinear
+
+    cfg = load_config("demo_cpu", ["model=tiny_qwen2", "model.params_dtype=fp32"])
+    init_distributed(1, 1, seed=cfg.seed)
+    module = LoraColumnParallelLinear(IN, OUT, config=transformer_config(cfg.model, cfg.parallel),
+                                      init_method=torch.nn.init.zeros_, bias=False, gather_output=False,
+                                      lora=LoraConfig(rank=RANK, alpha=ALPHA, dropout=p))
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for name in ("weight", "lora_a", "lora_b"):
+            getattr(module, name).copy_(torch.randn(getattr(module, name).shape, generator=g))
+    x = torch.randn(5, 3, IN, generator=g)
+    w, a, b = (getattr(module, n).detach().double() for n in ("weight", "lora_a", "lora_b"))
+
+    def reference(mask: torch.Tensor) -> torch.Tensor:
+        xd = x.double()
+        return xd @ w.T + ((xd * mask.double()) @ a.T @ b.T) * (ALPHA / RANK)
+
+    torch.manual_seed(21)
+    trained = module.train()(x)[0].detach()
+    torch.manual_seed(21)
+    mask = torch.nn.functional.dropout(torch.ones_like(x), p, training=True)  # the same draw: keep / (1 - p)
+    evaluated = module.eval()(x)[0].detach()
+    return {"train": (trained, reference(mask)), "eval": (evaluated, reference(torch.ones_like(x))),
+            "dropped": float((mask == 0).float().mean())}
+
+
+def test_lora_dropout_applies_in_training_mode_only_against_a_float64_reference():
+    out = run_on_ranks(_dropout_cases, 1, args=(0.5,))[0]
+    assert 0.3 < out["dropped"] < 0.7
+    for mode in ("train", "eval"):
+        got, want = out[mode]
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6, mode
+    assert (out["train"][0] - out["eval"][0]).abs().max() > 0.1  # the mask mattered
+
+
+def _scored_logprobs(dropout: float) -> dict:
+    """The tiny policy with non-zero adapters: token_stats (pi_old, replay scores: the scoring passes) twice after the
+    policy was put in training mode, and one training-mode forward of the same rows."""
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.policy.policy import Policy
+    from exgrpo_megatron.policy.train_batch import token_stats
+
+    cfg = load_config("demo_cpu", ["model=tiny_qwen2", "model.params_dtype=fp32", "trainer.total_steps=1", *LORA,
+                                   f"lora.dropout={dropout}"])
+    init_distributed(1, 1, seed=cfg.seed)
+    policy = Policy(cfg)
+    full = full_tensors(policy.modules, "data")
+    g = torch.Generator().manual_seed(3)
+    for name in sorted(full):
+        if name.endswith("lora_b"):
+            full[name] = torch.randn(full[name].shape, generator=g) * 0.05
+    load_full_tensors(policy.modules, full)
+    seqs, prompts = _batch()
+    torch.manual_seed(8)
+    scored = []
+    for _ in range(2):
+        policy.train()  # as the policy is left after an update
+        scored.append(torch.cat(token_stats(policy, seqs, prompts, site="old_logprobs", temperature=1.0,
+                                            with_entropy=False, max_tokens=64).logprobs))
+    policy.train()
+    trained = torch.cat([m.detach().flatten() for m in policy.modules[0](*_inputs(seqs[0]))])
+    return {"scored": scored, "trained": trained}
+
+
+def _inputs(seq: list[int]) -> tuple[torch.Tensor, torch.Tensor, None]:
+    tokens = torch.tensor([seq])
+    return tokens, torch.arange(len(seq)).unsqueeze(0), None
+
+
+def test_scoring_passes_run_without_lora_dropout_and_updates_with_it():
+    plain = run_on_ranks(_scored_logprobs, 1, args=(0.0,))[0]
+    dropped = run_on_ranks(_scored_logprobs, 1, args=(0.5,))[0]
+    for scored in dropped["scored"]:  # pi_old / replay scores: the function the engine samples from, every time
+        assert torch.equal(scored, plain["scored"][0])
+    assert not torch.equal(dropped["trained"], plain["trained"])  # the update's forward drops adapter inputs

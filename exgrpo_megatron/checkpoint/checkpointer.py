@@ -60,6 +60,7 @@ from exgrpo_megatron.checkpoint.integrity import (
     read_root_manifest,  # noqa: F401 - re-exported: callers read manifests from here
     verify_checkpoint,
 )
+from exgrpo_megatron.checkpoint.lora_base import BASE_KEY
 from exgrpo_megatron.checkpoint.model_state import (
     load_model_and_optimizer,
     local_param_bytes,
@@ -87,6 +88,7 @@ from exgrpo_megatron.checkpoint.scheduler_state import (
 from exgrpo_megatron.checkpoint.weights import (  # noqa: F401 - load/save_model_weights re-exported
     MODEL_CONFIG_FILE,
     MODEL_SUBDIR,
+    load_lora_base,
     load_model_weights,
     save_model_weights,
 )
@@ -120,6 +122,7 @@ class LoadedCheckpoint:
     model_config_yaml: str
     rng_restored: bool
     rejected: list[CheckpointVerificationError] | None = None  # newer checkpoints that failed verification
+    lora_base: dict | None = None  # the base weights a checkpoint of LoRA adapters alone names (lora_base.py)
 
 
 # ----------------------------------------------------------------------------- process layout
@@ -209,12 +212,14 @@ def save_checkpoint(
     config_yaml: str,
     model_config_yaml: str,
     keep_last: int = 2,
+    lora_base: dict | None = None,
 ) -> Path:
     """Collective: write checkpoint `step` of the run atomically and durably; return its final path.
 
     `pool_shard` is this DP replica's (arrays, meta); only the pool-writer rank of each replica
     (tp0/pp0/cp0) writes it, so the other ranks may pass it or None. `trainer_state` (JSON-able) and
-    the YAML texts are taken from rank 0. `keep_last` <= 0 keeps every checkpoint.
+    the YAML texts are taken from rank 0. `keep_last` <= 0 keeps every checkpoint. `lora_base`
+    (lora_base.base_record): the model's LoRA adapters are saved without the base weights, which it names.
     """
     from megatron.core import parallel_state as ps
 
@@ -229,7 +234,7 @@ def save_checkpoint(
 
     pool_entry = rng_entry = write_error = None
     try:
-        save_model_and_optimizer(tmp_dir / MODEL_SUBDIR, model_chunks, optimizer)
+        save_model_and_optimizer(tmp_dir / MODEL_SUBDIR, model_chunks, optimizer, adapters_only=lora_base is not None)
         if local_pool is not None:
             pool_entry = write_pool_shard(tmp_dir / POOL_SUBDIR, local_pool, *pool_shard_index)
         rng_entry = write_rng_state(tmp_dir / STATE_SUBDIR / RNG_SUBDIR, rank)
@@ -240,7 +245,7 @@ def save_checkpoint(
     rng_entries = _all_gather(rng_entry)
 
     return _finish_save(tmp_dir, final_dir, step, model_chunks, opt_param_scheduler, pool_entries, rng_entries,
-                        pool_shard_index, trainer_state, config_yaml, model_config_yaml, keep_last)
+                        pool_shard_index, trainer_state, config_yaml, model_config_yaml, keep_last, lora_base)
 
 
 def _raise_if_any_failed(errors: list[str | None], tmp_dir: Path) -> None:
@@ -301,13 +306,15 @@ def _seal_and_publish(tmp_dir: Path, final_dir: Path, root: dict, digests: list[
 
 def _finish_save(tmp_dir: Path, final_dir: Path, step: int, model_chunks: list, opt_param_scheduler,
                  pool_entries: list, rng_entries: list, pool_shard_index: tuple[int, int], trainer_state: dict,
-                 config_yaml: str, model_config_yaml: str, keep_last: int) -> Path:
+                 config_yaml: str, model_config_yaml: str, keep_last: int, lora_base: dict | None) -> Path:
     """Collective second half of save_checkpoint: rank 0's small files, the digests, the manifest, the rename."""
     rank = dist.get_rank()
     ckpt_dir = final_dir.parent
     # every rank's files are written and fsync'd by their writers once this collective returns
     root = _rank0_step(tmp_dir, _write_small_files, tmp_dir, step, model_chunks, opt_param_scheduler, pool_entries,
                        rng_entries, pool_shard_index, trainer_state, config_yaml, model_config_yaml)
+    if rank == 0 and lora_base is not None:
+        root[BASE_KEY] = lora_base
     names = _broadcast_from_rank0(list_files(tmp_dir) if rank == 0 else None)
     digests = _all_gather(digest_files(tmp_dir, my_share(names, rank, dist.get_world_size())))
     _rank0_step(tmp_dir, _seal_and_publish, tmp_dir, final_dir, root, digests)
@@ -359,6 +366,8 @@ def load_checkpoint(
         scheduler_state = json.loads(read_verified(path / SCHEDULER_FILE, files[SCHEDULER_FILE]))
 
     config_groups = config_group_values(optimizer) if optimizer is not None else None
+    if BASE_KEY in root:
+        load_lora_base(root[BASE_KEY], model_chunks, str(path))
     load_model_and_optimizer(path / MODEL_SUBDIR, model_chunks, optimizer)
     if config_groups is not None:
         reapply_config_group_values(optimizer, config_groups)  # the config's LR / Adam settings, not the saved
@@ -385,4 +394,5 @@ def load_checkpoint(
         config_yaml=config_yaml,
         model_config_yaml=model_config_yaml,
         rng_restored=rng_restored,
+        lora_base=root.get(BASE_KEY),
     )

@@ -38,9 +38,12 @@ def _optimizer_kwargs(optimizer) -> dict:
     return {}
 
 
-def sharded_state_dict(model_chunks: list, optimizer, is_loading: bool) -> dict:
+def sharded_state_dict(model_chunks: list, optimizer, is_loading: bool, adapters_only: bool = False) -> dict:
+    """`adapters_only`: the model's LoRA adapters alone (checkpoint/lora_base.py: the base is named, not copied)."""
     modules = unwrapped(model_chunks)
     state = {key: module.sharded_state_dict() for key, module in zip(model_keys(len(modules)), modules, strict=True)}
+    if adapters_only:
+        state = {key: {k: v for k, v in sd.items() if is_adapter(k)} for key, sd in state.items()}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, **_optimizer_kwargs(optimizer))
     return state
@@ -92,25 +95,30 @@ def ensure_signal_proof_save_workers() -> None:
     filesystem_async._results_queue = manager.Queue()
 
 
-def save_model_and_optimizer(model_dir: Path, model_chunks: list, optimizer) -> None:
-    """Collective; `model_dir` must exist. `optimizer` None writes weights only."""
+def save_model_and_optimizer(model_dir: Path, model_chunks: list, optimizer, adapters_only: bool = False) -> None:
+    """Collective; `model_dir` must exist. `optimizer` None writes weights only; `adapters_only`: of the model
+    only the LoRA adapters (the optimizer has no other state then)."""
     from megatron.core import dist_checkpointing
 
     ensure_signal_proof_save_workers()
-    dist_checkpointing.save(sharded_state_dict(model_chunks, optimizer, is_loading=False), str(model_dir))
+    dist_checkpointing.save(sharded_state_dict(model_chunks, optimizer, is_loading=False, adapters_only=adapters_only),
+                            str(model_dir))
 
 
 def load_model_and_optimizer(model_dir: Path, model_chunks: list, optimizer) -> None:
     """Collective; `optimizer` None loads weights only (any extra "optimizer" key on disk is ignored). LoRA
     (model/lora.py): base weights without adapters load into an adapted model weights-only (the adapters keep
     their initial values: `checkpoint.init_from` a base model); a checkpoint with adapters is refused by a model
-    without them (its weights alone are not the trained policy)."""
+    without them (its weights alone are not the trained policy). A checkpoint of the adapters alone
+    (checkpoint/lora_base.py) loads them (and the optimizer state) over the base loaded before."""
     from megatron.core import dist_checkpointing
 
     check_padded_vocab(checkpoint_padded_vocab(model_dir), padded_vocab(model_chunks), str(model_dir))
-    request = sharded_state_dict(model_chunks, optimizer, is_loading=True)
+    saved = dist_checkpointing.load_tensors_metadata(str(model_dir))
+    saved_adapters = any(is_adapter(k) for k in saved)
+    adapters_only = saved_adapters and all(is_adapter(k) or k.startswith("optimizer") for k in saved)
+    request = sharded_state_dict(model_chunks, optimizer, is_loading=True, adapters_only=adapters_only)
     keys = model_keys(len(model_chunks))
-    saved_adapters = any(is_adapter(k) for k in dist_checkpointing.load_tensors_metadata(str(model_dir)))
     model_adapters = any(is_adapter(k) for key in keys for k in request[key])
     if saved_adapters and not model_adapters:
         raise CheckpointFormatError(f"{model_dir} holds LoRA adapters: load it with the run's lora settings "
@@ -124,8 +132,9 @@ def load_model_and_optimizer(model_dir: Path, model_chunks: list, optimizer) -> 
             request[key] = {k: v for k, v in request[key].items() if not is_adapter(k)}
     loaded = dist_checkpointing.load(request, str(model_dir))
     for key, module in zip(keys, unwrapped(model_chunks), strict=True):
-        result = module.load_state_dict(loaded[key], strict=not base_only)
-        if base_only and (result.unexpected_keys or not all(is_adapter(k) for k in result.missing_keys)):
+        result = module.load_state_dict(loaded[key], strict=not (base_only or adapters_only))
+        missing_ok = (lambda k: not is_adapter(k)) if adapters_only else is_adapter
+        if (base_only or adapters_only) and (result.unexpected_keys or not all(map(missing_ok, result.missing_keys))):
             raise CheckpointFormatError(f"{model_dir}: keys that do not match the model: {result}")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])

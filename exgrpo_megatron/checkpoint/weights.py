@@ -24,10 +24,12 @@ from exgrpo_megatron.checkpoint.compat import check_model_compatible
 from exgrpo_megatron.checkpoint.files import CheckpointFormatError, fsync_tree, write_text_durable
 from exgrpo_megatron.checkpoint.integrity import (
     WEIGHTS_MANIFEST,
+    read_root_manifest,
     verify_checkpoint,
     verify_weights_dir,
     write_weights_manifest,
 )
+from exgrpo_megatron.checkpoint.lora_base import BASE_KEY, verified_base_dir
 from exgrpo_megatron.checkpoint.model_state import load_model_and_optimizer, save_model_and_optimizer
 from exgrpo_megatron.config.schema import ModelConfig
 
@@ -61,7 +63,15 @@ def load_model_weights(path: str | Path, model_chunks: list, *, model_config: Mo
         if not config_path.is_file():
             raise CheckpointFormatError(f"{path} has no {MODEL_CONFIG_FILE}; cannot check its architecture")
         check_model_compatible(config_path.read_text(encoding="utf-8"), model_config, str(path), allow_model_changes)
+    if (path / L.ROOT_MANIFEST).is_file() and BASE_KEY in (root := read_root_manifest(path)):
+        load_lora_base(root[BASE_KEY], model_chunks, str(path))  # a LoRA checkpoint of the adapters alone
     load_model_and_optimizer(path / MODEL_SUBDIR, model_chunks, optimizer=None)
+
+
+def load_lora_base(record: dict, model_chunks: list, where: str) -> None:
+    """Collective: the base weights a LoRA checkpoint of adapters alone names (checkpoint/lora_base.py), verified,
+    into the model; its adapters are loaded after."""
+    load_model_and_optimizer(verified_base_dir(record, where) / MODEL_SUBDIR, model_chunks, optimizer=None)
 
 
 def save_model_weights(path: str | Path, model_chunks: list, *, model_config_yaml: str) -> Path:

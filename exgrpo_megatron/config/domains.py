@@ -206,6 +206,8 @@ def path_errors(cfg: RootConfig) -> list[str]:
         wanted.append(("model.hf_path", m.hf_path, "dir"))
     if ck.init_from:
         wanted.append(("checkpoint.init_from", ck.init_from, "dir"))
+    if cfg.lora.init_from:
+        wanted.append(("lora.init_from", cfg.lora.init_from, "dir"))
     if _is_resume_path(ck.resume):
         wanted.append(("checkpoint.resume", ck.resume, "dir"))
     if cfg.experience.pool_file_in:

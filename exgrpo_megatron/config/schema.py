@@ -249,6 +249,7 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # linears given adapters, by name
     experts: bool = False  # MoE: the experts' linear_fc1/fc2 get adapters too (false: attention only)
     init: str = "kaiming"  # A's initialisation: kaiming (uniform, +-1/sqrt(fan_in)) | gaussian (std 1/rank); B = 0
+    init_from: Optional[str] = None  # a PEFT adapter directory the adapters start from (a fresh run; not a resume)
 
 
 @dataclass

@@ -209,6 +209,8 @@ def lora_errors(cfg: RootConfig) -> list[str]:
     if unknown or len(set(lo.targets)) != len(lo.targets):
         e.append(f"lora.targets: {list(lo.targets)}: expected distinct names from {list(LORA_TARGETS)}")
     if lo.rank <= 0:
+        if lo.init_from:
+            e.append(f"lora.init_from: {lo.init_from!r} with lora.rank=0: a run without adapters cannot start from one")
         return e
     if not lo.targets:
         e.append(f"lora.targets: empty with lora.rank={lo.rank}: name the linears to adapt, e.g. {list(LORA_TARGETS)}")

@@ -239,3 +239,28 @@ class DistCheckpointReader:
         region = (1,) * len(index) + size[len(index):]
         offset = index + (0,) * (len(size) - len(index))
         return self.read_regions([(key, offset, region)], dtype)[0].reshape(size[len(index):])
+
+
+class LayeredCheckpointReader(DistCheckpointReader):
+    """Several checkpoints read as one, each key from the first that has it: a LoRA checkpoint of the adapters alone
+    over the base weights it names (checkpoint/lora_base.py)."""
+
+    def __init__(self, readers: list[DistCheckpointReader]):
+        self.readers = readers
+        self.ckpt_dir = readers[0].ckpt_dir
+        merged = {k: v for r in reversed(readers) for k, v in r.metadata.state_dict_metadata.items()}
+        self.metadata = Metadata(state_dict_metadata=merged)
+
+    def read_regions(self, requests: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+                     dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(requests)
+        for reader in self.readers:
+            mine = [i for i, (key, _, _) in enumerate(requests)
+                    if out[i] is None and key in reader.metadata.state_dict_metadata]
+            if mine:
+                for i, t in zip(mine, reader.read_regions([requests[i] for i in mine], dtype), strict=True):
+                    out[i] = t
+        missing = [requests[i][0] for i, t in enumerate(out) if t is None]
+        if missing:
+            raise KeyError(f"{self.ckpt_dir}: no tensor {missing[0]!r}")
+        return [t for t in out if t is not None]

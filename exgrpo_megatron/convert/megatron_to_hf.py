@@ -11,8 +11,9 @@ import os
 
 import torch
 
-from exgrpo_megatron.config.schema import ModelConfig
-from exgrpo_megatron.convert.dist_ckpt_io import DistCheckpointReader, sharded_key
+from exgrpo_megatron.config.paths import TRAINER_MANIFEST
+from exgrpo_megatron.config.schema import LoraConfig, ModelConfig
+from exgrpo_megatron.convert.dist_ckpt_io import DistCheckpointReader, LayeredCheckpointReader, sharded_key
 from exgrpo_megatron.convert.hf_config import (
     MODEL_CONFIG_FILE,
     hf_config_from_model_config,
@@ -56,6 +57,19 @@ def resolve_checkpoint(path: str, model_config: str | None = None) -> tuple[str,
     raise FileNotFoundError(f"no {MODEL_CONFIG_FILE} for {model_dir} (looked at {cfg_candidates}); pass --model-config")
 
 
+def checkpoint_reader(model_dir: str) -> DistCheckpointReader:
+    """The reader of a checkpoint's model dir; for a LoRA checkpoint of the adapters alone, one that reads the base
+    weights it names (verified first, checkpoint/lora_base.py) under the adapters."""
+    from exgrpo_megatron.checkpoint.lora_base import BASE_KEY, verified_base_dir
+
+    reader = DistCheckpointReader(model_dir)
+    root = _read_json(os.path.join(os.path.dirname(model_dir), TRAINER_MANIFEST)) or {}
+    if BASE_KEY not in root:
+        return reader
+    base = verified_base_dir(root[BASE_KEY], os.path.dirname(model_dir))
+    return LayeredCheckpointReader([reader, DistCheckpointReader(str(base / "model"))])
+
+
 def check_shapes(reader: DistCheckpointReader, cfg: ModelConfig) -> None:
     """Stored global shapes must match the ModelConfig (the vocabulary may carry any padding >= vocab_size)."""
     for name in megatron_param_names(cfg):
@@ -75,18 +89,25 @@ def check_shapes(reader: DistCheckpointReader, cfg: ModelConfig) -> None:
             raise ValueError(f"{key}: stored shape {stored} incompatible with model_config (expected {expected})")
 
 
-def adapter_scale(reader: DistCheckpointReader, model_dir: str) -> float:
-    """LoRA's alpha / rank when the checkpoint holds adapters (model/lora.py; read from the run config the trainer
-    checkpoint carries), else 0."""
+def checkpoint_lora(reader: DistCheckpointReader, model_dir: str) -> LoraConfig | None:
+    """The `lora` settings of the run that saved the checkpoint when it holds adapters (model/lora.py; read from
+    the run config the trainer checkpoint carries), else None."""
     if not any(is_adapter(k) for k in reader.metadata.state_dict_metadata if not k.startswith("optimizer")):
-        return 0.0
+        return None
     run_config = os.path.join(os.path.dirname(model_dir), RUN_CONFIG_FILE)
     if not os.path.isfile(run_config):
         raise FileNotFoundError(f"{model_dir} holds LoRA adapters but {run_config} (their alpha and rank) is missing")
     from omegaconf import OmegaConf
 
     lora = OmegaConf.load(run_config).lora
-    return float(lora.alpha) / int(lora.rank)
+    return LoraConfig(rank=int(lora.rank), alpha=float(lora.alpha), dropout=float(lora.dropout),
+                      targets=list(lora.targets), experts=bool(lora.experts))
+
+
+def adapter_scale(reader: DistCheckpointReader, model_dir: str) -> float:
+    """LoRA's alpha / rank when the checkpoint holds adapters, else 0."""
+    lora = checkpoint_lora(reader, model_dir)
+    return 0.0 if lora is None else lora.alpha / lora.rank  # model/lora.py's scale (its module imports megatron)
 
 
 def merge_adapters(reader: DistCheckpointReader, name: str, full: torch.Tensor, scale: float) -> torch.Tensor:
@@ -118,7 +139,7 @@ def convert_megatron_to_hf(ckpt_path: str, out_dir: str, dtype: str = "bf16", to
     model_dir, cfg_path = resolve_checkpoint(ckpt_path, model_config)
     cfg = load_model_config(cfg_path)
     torch_dtype, dtype_name = DTYPES[dtype]
-    reader = DistCheckpointReader(model_dir)
+    reader = checkpoint_reader(model_dir)
     check_shapes(reader, cfg)
     scale = adapter_scale(reader, model_dir)
     writer = ShardedSafetensorsWriter(out_dir, int(shard_size_gb * 2**30))
@@ -170,6 +191,41 @@ def convert_megatron_to_hf(ckpt_path: str, out_dir: str, dtype: str = "bf16", to
         json.dump(gen, f, indent=2)
     check_tokenizer_export(out_dir)  # AutoTokenizer (config.json now present) must give tokenizer.json's ids
     return files
+
+
+def export_peft_adapter(ckpt_path: str, out_dir: str, dtype: str = "fp32", base_model: str | None = None,
+                        model_config: str | None = None) -> list[str]:
+    """Write a LoRA checkpoint's adapters as a PEFT adapter directory (convert/peft_adapter.py) for the HF model
+    of its base weights (`base_model`, default the model config's hf_path, is recorded as
+    base_model_name_or_path). Returns the PEFT modules written."""
+    from exgrpo_megatron.convert.peft_adapter import (
+        PeftAdapterError,
+        adapted_weights,
+        peft_adapter_config,
+        peft_adapter_tensors,
+        write_peft_adapter,
+    )
+
+    model_dir, cfg_path = resolve_checkpoint(ckpt_path, model_config)
+    cfg = load_model_config(cfg_path)
+    reader = checkpoint_reader(model_dir)
+    check_shapes(reader, cfg)
+    lora = checkpoint_lora(reader, model_dir)
+    if lora is None:
+        raise PeftAdapterError(f"{model_dir}: holds no LoRA adapters (export the model itself without --peft-adapter)")
+    if lora.experts and cfg.num_experts:
+        raise PeftAdapterError("lora.experts: the checkpoint has adapters on the MoE experts, which have no PEFT "
+                               "adapter format (transformers holds a layer's experts as one 3-D parameter); export "
+                               "the merged model instead")
+    targets = [t for t in lora.targets if adapted_weights(cfg, [t])]
+    tensors: dict[str, torch.Tensor] = {}
+    for weight in adapted_weights(cfg, targets):
+        stem = weight.removesuffix("weight")
+        a, b = (reader.read_param(stem + f, dtype=torch.float32) for f in ADAPTER_SUFFIXES)
+        for key, t in peft_adapter_tensors(weight, a, b, cfg):
+            tensors[key] = t.to(DTYPES[dtype][0])
+    write_peft_adapter(out_dir, tensors, peft_adapter_config(lora, targets, base_model or cfg.hf_path))
+    return sorted({k.rsplit(".", 2)[0] for k in tensors})
 
 
 def _run_tokenizer(model_config_path: str) -> str | None:

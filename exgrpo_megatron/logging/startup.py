@@ -38,8 +38,9 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
     lo = cfg.lora
     if lo.rank > 0:
         experts = (" (experts too)" if lo.experts else " (not the experts)") if cfg.model.num_experts else ""
+        start = f"; a fresh start takes the adapters of {lo.init_from}" if lo.init_from else ""
         lines.append(f"LoRA rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lo.targets)}{experts}: the base weights "
-                     "are frozen, only the adapters train")
+                     f"are frozen, only the adapters train{start}")
     return "\n".join(PREFIX + line for line in lines)
 
 

@@ -159,6 +159,21 @@ def add_lora_to_spec(layer_spec: Any, lora: LoraConfig) -> None:
         adapt(experts.submodules, ("linear_fc1", "linear_fc2"))
 
 
+def load_adapters(modules: list[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
+    """Set every adapter of this rank's chunks from `full` (global name -> the TP=1 tensor; `lora.init_from`),
+    keeping this rank's TP part; `full` must name exactly the model's adapters."""
+    from exgrpo_megatron.model.param_layout import named_global_params, tp_coords, tp_shard, tp_split_of_param
+
+    adapters = [(n, p) for n, p in named_global_params(modules, tied_copy=False) if is_adapter(n)]
+    missing = sorted({n for n, _ in adapters} - set(full))
+    if missing:
+        raise ValueError(f"no values for the adapters {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    for name, p in adapters:
+        tp, tp_rank = tp_coords(name)
+        with torch.no_grad():
+            p.copy_(tp_shard(full[name], tp_split_of_param(p), tp, tp_rank).to(device=p.device, dtype=p.dtype))
+
+
 def freeze_base(modules: list[torch.nn.Module]) -> None:
     """Only the adapters train: every other parameter gets requires_grad False (megatron's DDP then gives it no
     gradient buffer and its optimizer no state)."""

@@ -141,6 +141,14 @@ class Policy:
         self.optimizer.reload_model_params()
         self.mark_weights_changed()
 
+    def load_adapters(self, full: dict[str, torch.Tensor]) -> None:
+        """LoRA adapters from full (TP=1) tensors by global name (`lora.init_from`); the optimizer's copy follows."""
+        from exgrpo_megatron.model.lora import load_adapters
+
+        load_adapters(self.modules, full)
+        self.optimizer.reload_model_params()
+        self.mark_weights_changed()
+
     def resume(self, run_dir: str, resume: str) -> LoadedCheckpoint | None:
         """`checkpoint.resume` -> the newest trainer checkpoint that verifies (weights, optimizer, LR schedule,
         RNG), loaded; returns its LoadedCheckpoint, or None when there is none to resume from."""

@@ -33,7 +33,6 @@ def make_scorer(policy: Policy, max_tokens: int, dataset: PromptDataset,
                 seqs.append(list(prompt) + traj.token_ids.tolist())
                 plens.append(len(prompt))
                 owner.append(i)
-        policy.eval()
         stats = token_stats(policy, seqs, plens, site="replay_scores", temperature=SELECTION_TEMPERATURE,
                             with_entropy=True, max_tokens=max_tokens, logprob_temperature=logprob_temperature)
         out_ent: list[list[float]] = [[] for _ in qids]

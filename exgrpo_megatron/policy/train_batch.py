@@ -96,7 +96,9 @@ def token_stats(policy: Policy, sequences: list[list[int]], prompt_lengths: list
     """Per-row log-probs (and entropies) of the response tokens under the current weights, one forward pass (the
     policy's pass `site`; every rank calls it, with no rows too: distributed/lockstep.py); with `logprob_temperature`,
     also the log-probs at that temperature from the same logits; `expert_choices`: the rows' recorded MoE routing
-    (replayed as in the updates)."""
+    (replayed as in the updates). A scoring pass: the policy runs in eval mode (LoRA's dropout off, as when the engine
+    samples); the updates switch it back to training mode (update_policy)."""
+    policy.eval()
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     keys += ["logprobs_at"] if logprob_temperature is not None else []
     lengths = [len(s) for s in sequences]
