@@ -90,6 +90,27 @@ def static_unsupported_reason(model) -> str | None:
     return None
 
 
+HOST_READ_METHODS = frozenset({"item", "tolist", "cpu", "numpy", "nonzero", "unique"})
+HOST_READ_FUNCTIONS = frozenset({torch.nonzero, torch.unique, torch.masked_select, torch.Tensor.item})
+
+
+class HostReadInStep(RuntimeError):
+    """The decode step reads a tensor on the host or has a data-dependent shape."""
+
+
+def inductor_without_host_reads(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """A torch.compile backend: inductor, after refusing a graph that reads a tensor on the host (`.item()`,
+    `.tolist()`, `.cpu()`) or makes a shape depend on data (nonzero, unique, masked_select); torch traces `.item()`
+    into the graph without a break, so fullgraph alone would let a per-step host synchronisation through."""
+    from torch._inductor.compile_fx import compile_fx
+
+    for node in graph.graph.nodes:
+        if (node.op == "call_method" and node.target in HOST_READ_METHODS) or \
+                (node.op == "call_function" and node.target in HOST_READ_FUNCTIONS):
+            raise HostReadInStep(f"the decode step calls {node.target} ({node.format_node()}): a host read")
+    return compile_fx(graph, example_inputs)  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class StepConstants:
     """What the step bakes in: a change is a new compiled copy, never a recompilation."""
@@ -223,7 +244,7 @@ class DecodeStep:
                                   fn.__closure__)  # its own code object: dynamo caches one graph per copy
         # megatron's linear layers warn (a deprecation) on every call: the compiled step skips the warning
         torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
-        compiled = torch.compile(copy, fullgraph=True, dynamic=False)
+        compiled = torch.compile(copy, fullgraph=True, dynamic=False, backend=inductor_without_host_reads)
         started = time.perf_counter()
         compiled(self, slots, bucket, const, cos_table, sin_table)  # the copy's first step: compiles, then runs
         self.compile_seconds += time.perf_counter() - started
