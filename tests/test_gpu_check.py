@@ -73,3 +73,19 @@ def test_cpu_smoke_runs_the_numerics_and_the_trainer_sections(tmp_path):
     moe = result["moe"]
     assert moe["ok"] and moe["exit_code"] == 0 and moe["steps"] == 2, moe
     assert moe["routing_replayed_share"] > 0.5 and 0.0 <= moe["routing_disagreement"] <= 1.0
+
+
+def test_cpu_smoke_runs_the_decode_section(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--cpu-smoke", "--out", str(out),
+                           "--sections", "decode"], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    decode = json.loads(out.read_text())["decode"]
+    assert decode["ok"], decode
+    dense = decode["dense_demo"]
+    for arm in ("chunked", "continuous_eager", "continuous_compiled"):
+        assert dense[arm]["tokens"] == dense["rows"] * dense["new_tokens"], (arm, dense[arm])
+        assert dense[arm]["tokens_per_s"] > 0 and 0 < dense[arm]["share_of_roofline"] < 1
+    moe = decode["moe_demo"]
+    assert moe["chunked"]["tokens_per_s"] > 0
+    assert "mixture-of-experts" in moe["continuous_eager"]["refused"]  # the continuous loop says why not

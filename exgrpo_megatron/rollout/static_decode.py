@@ -85,7 +85,7 @@ def static_unsupported_reason(model) -> str | None:
         return "pipeline parallelism"
     if ps.get_tensor_model_parallel_world_size() > 1:
         return "tensor parallelism"
-    if router_choices(model):
+    if getattr(model.config, "num_moe_experts", None) or router_choices(model):
         return "mixture-of-experts layers (token dispatch has data-dependent shapes; routes are recorded on the host)"
     return None
 
