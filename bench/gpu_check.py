@@ -19,9 +19,9 @@ one that crashes is recorded with its error and the others still run. Sections:
   random model never stops): generated tokens/s of our engine, trained tokens/s, step time, peak GPU memory,
   and MFU against the measured bf16 peak, with the decode's roofline (max of weight bytes / bandwidth and
   FLOPs / peak per decode step).
-* ``decode_attention``: the engine's two attention paths over the KV cache (rollout/kv_decode.py) and the one it
-  takes, timed at the 1.5B decode shape (512 rows, 12 query heads in 2 groups, head dim 128, 256 cached positions,
-  bf16; bench/cache_attention.py's ``device_paths``).
+* ``decode_attention`` and ``decode`` (bench/gpu_decode.py): the KV-cache attention paths at the 1.5B decode shape;
+  the engine's decode loops (chunked, continuous eager, continuous CUDA-graphed) at the 1.5B and the MoE demo shapes:
+  tokens/s and fraction of the decode roofline.
 * ``moe``: the trainer with the demo's Qwen3-MoE model and routing replay on (one device, EP=1), bf16: whether it
   runs, the engine-vs-training routing disagreement it measures, the experts' balance, the step time.
 
@@ -271,16 +271,6 @@ def moe(steps: int, smoke: bool) -> dict:
             "reward_mean": mean("reward/mean")}
 
 
-def decode_attention(smoke: bool) -> dict:
-    import torch
-    from cache_attention import device_paths
-
-    device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() and not smoke else ("cpu", torch.float32)
-    shape = dict(rows=4, heads=4, groups=2, head_dim=16, cached=16) if smoke else \
-        dict(rows=512, heads=12, groups=2, head_dim=128, cached=256)
-    return device_paths(device, dtype=dtype, calls=5 if smoke else 50, **shape)
-
-
 def derived(result: dict) -> dict:
     """MFU and roofline shares from the measured sections (when both ran)."""
     pk, step = result.get("peaks", {}), result.get("rl_step", {})
@@ -294,6 +284,7 @@ def derived(result: dict) -> dict:
     bytes_per_step = f // 2 * (2 if "bfloat16" in step["params_dtype"] else 4)
     roofline_s_per_step = max(f * step["rows_per_step"] / peak, bytes_per_step / bw)
     return {"train_mfu": train_mfu, "generate_mfu": decode_flops / peak,
+            "generate_share_of_step": step["time_generate_s"] / step["time_step_s"],
             "generate_share_of_roofline": roofline_s_per_step * steps_per_s,
             "generate_roofline_bound": "flops" if f * step["rows_per_step"] / peak > bytes_per_step / bw else "bytes"}
 
@@ -316,8 +307,8 @@ def _run_section(args: list[str], env: dict[str, str] | None, timeout: float) ->
     return out
 
 
-SECTIONS = ("environment", "peaks", "numerics", "rl_step", "decode_attention", "moe")
-TIMEOUT_S = {"environment": 300, "peaks": 300, "rl_step": 900, "decode_attention": 300, "moe": 600}
+SECTIONS = ("environment", "peaks", "numerics", "rl_step", "decode_attention", "decode", "moe")
+TIMEOUT_S = {"environment": 300, "peaks": 300, "rl_step": 900, "decode_attention": 300, "decode": 600, "moe": 600}
 
 
 def run_all(out_path: str, smoke: bool, steps: int, sections: tuple[str, ...] = SECTIONS) -> dict:
@@ -353,13 +344,16 @@ def _numerics(gpu: bool, smoke: bool) -> dict:
 
 
 def section_main(argv: list[str]) -> None:
+    from gpu_decode import decode, decode_attention
+
     name, rest = argv[0], argv[1:]
     smoke = "--smoke" in rest
     rest = [a for a in rest if a != "--smoke"]
     runners = {"environment": environment, "peaks": lambda: peaks(smoke),
                "numerics": lambda: _numerics_arm(rest[0], rest[1], smoke),
                "rl_step": lambda: _rl_step_arm(int(rest[0]), smoke),
-               "decode_attention": lambda: decode_attention(smoke), "moe": lambda: moe(int(rest[0]), smoke)}
+               "decode_attention": lambda: decode_attention(smoke), "decode": lambda: decode(smoke),
+               "moe": lambda: moe(int(rest[0]), smoke)}
     if name not in runners:
         raise SystemExit(f"unknown section {name!r}")
     out = runners[name]()

@@ -118,7 +118,9 @@ def build_engine_for(cfg: RootConfig, chunks: list, tokenizer: Tokenizer,
     return build_rollout_engine(
         cfg.rollout.engine, chunks, cfg.model, tokenizer, vllm=cfg.rollout.vllm, hf_dir=cfg.model.hf_path,
         seed=cfg.seed, max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-        max_batch_sequences=cfg.rollout.max_batch_sequences, weights_version=weights_version)
+        max_batch_sequences=cfg.rollout.max_batch_sequences, weights_version=weights_version,
+        decode_loop=cfg.rollout.decode_loop, compile_decode=cfg.rollout.compile_decode,
+        cuda_graphs=cfg.rollout.cuda_graphs, stop_check_every=cfg.rollout.stop_check_every)
 
 
 def build_pool(settings: ExperienceConfig, group_size: int, dp_group: Any = None) -> ShardedExperiencePool:

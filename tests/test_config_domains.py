@@ -30,6 +30,10 @@ BAD_VALUES = [
     ("trainer.sft_warm_start_steps=-1", "trainer.sft_warm_start_steps: -1: must be in [0, inf)"),
     ("rollout.val_temperature=-1", "rollout.val_temperature: -1.0: must be in [0, inf)"),
     ("rollout.vllm.refit_bucket_mb=0", "rollout.vllm.refit_bucket_mb: 0: must be in [1, inf)"),
+    ("rollout.stop_check_every=0", "rollout.stop_check_every: 0: must be in [1, inf)"),
+    ("rollout.cuda_graphs=true", "rollout.cuda_graphs: true needs CUDA"),  # this suite runs on CPU
+    ("rollout.cuda_graphs=sometimes", "rollout.cuda_graphs: 'sometimes' is not one of auto, true, false"),
+    ("rollout.decode_loop=sideways", "rollout.decode_loop: 'sideways'"),
 ]
 
 MISSING_PATHS = [

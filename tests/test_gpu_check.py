@@ -42,13 +42,15 @@ def test_matmul_flops_count_every_matmul_weight_of_the_demo_model():
 def test_derived_mfu_and_decode_roofline_from_measured_sections():
     result = {"peaks": {"bf16_matmul_tflops": 1.0, "copy_gb_per_s": 1000.0},
               "rl_step": {"matmul_flops_per_token": 2e9, "train_tokens_per_s": 100.0, "generate_tokens_per_s": 50.0,
-                          "rows_per_step": 10, "params_dtype": "torch.bfloat16", "time_train_s": 1.0}}
+                          "rows_per_step": 10, "params_dtype": "torch.bfloat16", "time_train_s": 1.0,
+                          "time_generate_s": 3.0, "time_step_s": 4.0}}
     d = gpu_check.derived(result)
     assert d["train_mfu"] == pytest.approx(3 * 2e9 * 100 / 1e12)
     assert d["generate_mfu"] == pytest.approx(2e9 * 50 / 1e12)
     # per decode step: FLOPs 2e9 x 10 rows / 1e12 = 0.02 s; weight bytes 1e9 x 2 / 1e12 = 0.002 s -> flops-bound
     assert d["generate_roofline_bound"] == "flops"
     assert d["generate_share_of_roofline"] == pytest.approx(0.02 * 50 / 10)
+    assert d["generate_share_of_step"] == pytest.approx(0.75)  # the step's generate/train split
 
 
 def test_cpu_smoke_runs_the_numerics_and_the_trainer_sections(tmp_path):
@@ -73,3 +75,19 @@ def test_cpu_smoke_runs_the_numerics_and_the_trainer_sections(tmp_path):
     moe = result["moe"]
     assert moe["ok"] and moe["exit_code"] == 0 and moe["steps"] == 2, moe
     assert moe["routing_replayed_share"] > 0.5 and 0.0 <= moe["routing_disagreement"] <= 1.0
+
+
+def test_cpu_smoke_runs_the_decode_section(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--cpu-smoke", "--out", str(out),
+                           "--sections", "decode"], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    decode = json.loads(out.read_text())["decode"]
+    assert decode["ok"], decode
+    dense = decode["dense_demo"]
+    for arm in ("chunked", "continuous_eager", "continuous_compiled"):
+        assert dense[arm]["tokens"] == dense["rows"] * dense["new_tokens"], (arm, dense[arm])
+        assert dense[arm]["tokens_per_s"] > 0 and 0 < dense[arm]["share_of_roofline"] < 1
+    moe = decode["moe_demo"]
+    assert moe["chunked"]["tokens_per_s"] > 0
+    assert "mixture-of-experts" in moe["continuous_eager"]["refused"]  # the continuous loop says why not

@@ -91,6 +91,7 @@ DOMAINS: dict[str, Domain] = {
     # rollout
     "rollout.n": Domain(lo=2), "rollout.temperature": POSITIVE, "rollout.top_p": PROBABILITY_MASS,
     "rollout.top_k": Domain(lo=1, extra=(-1,)), "rollout.max_batch_sequences": AT_LEAST_1,
+    "rollout.stop_check_every": AT_LEAST_1,
     "rollout.vllm.gpu_memory_utilization": UNIT_OPEN, "rollout.vllm.refit_bucket_mb": AT_LEAST_1,
     "rollout.vllm.max_model_len": Domain(lo=1, none_ok=True), "rollout.vllm.sleep_level": Domain(lo=1, hi=2),
     "rollout.val_temperature": NON_NEGATIVE,  # 0 = greedy

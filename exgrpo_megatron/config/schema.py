@@ -112,6 +112,10 @@ class RolloutConfig:
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
     max_batch_sequences: int = 64  # megatron engine: sequences decoded together
+    decode_loop: str = "chunked"  # megatron engine: chunked | continuous | auto (continuous on CUDA where it runs)
+    compile_decode: bool = False  # continuous loop off CUDA graphs: torch.compile(fullgraph) the decode step
+    cuda_graphs: str = "auto"  # continuous loop: auto (on with CUDA) | true (CUDA only) | false
+    stop_check_every: int = 4  # continuous loop: the host reads the rows' stops every this many decode steps
     val_temperature: float = 0.6
     val_top_p: float = 1.0
     vllm: VllmConfig = field(default_factory=VllmConfig)  # rollout.engine=vllm only
@@ -279,6 +283,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.moe_token_dispatcher": ("allgather", "alltoall", "flex"),
     "optim.lr_schedule": ("constant", "cosine", "linear"),
     "rollout.engine": ("megatron", "vllm"),
+    "rollout.decode_loop": ("auto", "chunked", "continuous"),
     "rollout.vllm.dtype": ("auto", "fp32", "bf16", "fp16"),
     "algo.loss_agg_mode": ("token_sum_constant", "token_mean", "seq_mean"),
     "algo.ratio": ("token", "sequence"),

@@ -79,6 +79,7 @@ def config_errors(cfg: RootConfig, world_size: int) -> list[str]:
     e.extend(moe_config_errors(cfg, world_size))
     e.extend(allow_model_changes_errors(cfg.checkpoint.allow_model_changes))
     e.extend(vllm_config_errors(cfg))
+    e.extend(decode_loop_errors(cfg))
     e.extend(_old_logprobs_errors(cfg))
     e.extend(staleness_errors(cfg))
     e.extend(lora_errors(cfg))
@@ -237,6 +238,26 @@ def vllm_config_errors(cfg: RootConfig) -> list[str]:
     if cfg.rollout.engine == "vllm" and not cfg.model.hf_path:
         e.append("model.hf_path: rollout.engine=vllm needs the model's HF directory (config.json + tokenizer): "
                  "vLLM builds its model from it (export one with tools/convert_megatron_to_hf.py)")
+    return e
+
+
+def decode_loop_errors(cfg: RootConfig) -> list[str]:
+    """The megatron engine's continuous loop (rollout/cuda_graph_step.py): its switches, and the layouts it runs."""
+    import torch
+
+    r, p, e = cfg.rollout, cfg.parallel, list[str]()
+    graphs = str(r.cuda_graphs).lower()
+    if graphs not in ("auto", "true", "false"):
+        e.append(f"rollout.cuda_graphs: {r.cuda_graphs!r} is not one of auto, true, false")
+    elif graphs == "true" and not torch.cuda.is_available():
+        e.append("rollout.cuda_graphs: true needs CUDA (auto: on with CUDA, off on CPU)")
+    if r.decode_loop == "continuous":
+        layout = {"parallel.tensor_model_parallel_size": p.tensor_model_parallel_size,
+                  "parallel.pipeline_model_parallel_size": p.pipeline_model_parallel_size}
+        e.extend(f"rollout.decode_loop: continuous runs at {k}=1 only, got {v}" for k, v in layout.items() if v > 1)
+        if cfg.model.num_experts > 0:
+            e.append("rollout.decode_loop: continuous does not run mixture-of-experts models (their token dispatch "
+                     "has data-dependent shapes); use chunked or auto")
     return e
 
 

@@ -39,18 +39,25 @@ def build_rollout_engine(
     max_batch_sequences: int,
     vocab_size: int | None = None,
     weights_version: Callable[[], int] | None = None,
+    decode_loop: str = "chunked",
+    compile_decode: bool = False,
+    cuda_graphs: str = "auto",
+    stop_check_every: int = 4,
 ) -> RolloutEngine:
     """`kind` megatron | vllm. `model`: this rank's (unwrapped or DDP) GPT module, or its list of model
     chunks (one per virtual pipeline stage; the megatron engine takes one, vLLM refits from all);
     `max_model_len`: prompt + response tokens (used where `vllm.max_model_len` is None);
     `vocab_size`: ids the megatron engine may sample (default: the model's); `weights_version`: the
-    policy's version counter (vLLM refits before generating when it changed; None: fixed weights).
+    policy's version counter (vLLM refits before generating when it changed; None: fixed weights);
+    `decode_loop` .. `stop_check_every`: the megatron engine's loop (rollout.* keys of those names).
     The megatron engine generates from `model` itself, so it is never stale."""
     if kind == "megatron":
         from exgrpo_megatron.rollout.megatron_engine import MegatronRolloutEngine
 
         return MegatronRolloutEngine(model, tokenizer, vocab_size=vocab_size or model_cfg.vocab_size,
-                                     max_batch_sequences=max_batch_sequences)
+                                     max_batch_sequences=max_batch_sequences, decode_loop=decode_loop,
+                                     compile_decode=compile_decode, cuda_graphs=cuda_graphs,
+                                     stop_check_every=stop_check_every, max_model_len=max_model_len)
     if kind != "vllm":
         raise ValueError(f"rollout.engine: {kind!r} is not one of {list(CHOICES['rollout.engine'])}")
     if not hf_dir:

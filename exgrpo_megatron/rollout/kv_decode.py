@@ -1,4 +1,5 @@
-"""One pipeline stage of a megatron-core GPTModel over a contiguous, RoPE-once KV cache.
+"""One pipeline stage of a megatron-core GPTModel over a contiguous, RoPE-once KV cache (`KVCacheStage`), and the
+reference stage through megatron's own inference path (`StaticContextStage`).
 
 Why not megatron's own `StaticInferenceContext` path: it caches keys BEFORE RoPE, so every decode
 step re-rotates the whole cached prefix of every layer (recomputing cos/sin of every position), and
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.autograd.profiler
@@ -153,21 +155,16 @@ class KVCacheStage:
         return logits[0]
 
     def _layer(self, i: int, layer, hidden, start: int, cos, sin, mask) -> torch.Tensor:
-        attn = layer.self_attention
-        q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(hidden))  # [s, b, heads|groups, d]
-        with profile_range("rope"):
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        with profile_range("cache_write"):
-            k_cache, v_cache = self._cache(i, k)
-            end = start + k.shape[0]
-            k_cache[:, :, start:end] = k.permute(1, 2, 0, 3)
-            v_cache[:, :, start:end] = v.permute(1, 2, 0, 3)
-        with profile_range("attention"):
-            context = self._attention(q, k_cache[:, :, :end], v_cache[:, :, :end], mask)
-        out, bias = attn.linear_proj(context)
-        hidden = hidden + (out if bias is None else out + bias)
-        out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
-        return hidden + (out if bias is None else out + bias)
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            with profile_range("cache_write"):
+                k_cache, v_cache = self._cache(i, k)
+                end = start + k.shape[0]
+                k_cache[:, :, start:end] = k.permute(1, 2, 0, 3)
+                v_cache[:, :, start:end] = v.permute(1, 2, 0, 3)
+            with profile_range("attention"):
+                return self._attention(q, k_cache[:, :, :end], v_cache[:, :, :end], mask)
+
+        return layer_forward(layer, hidden, cos, sin, attend)
 
     def _cache(self, i: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if i == len(self.cache):
@@ -177,6 +174,51 @@ class KVCacheStage:
 
     def _attention(self, q, keys, values, mask) -> torch.Tensor:
         return cache_attention(q, keys, values, mask, self.scale)
+
+
+class StaticContextStage:
+    """This rank's stage through megatron-core's own inference path: `GPTModel.forward` over a
+    `StaticInferenceContext` (keys cached before RoPE). Same interface as `KVCacheStage`."""
+
+    def __init__(self, model, batch: int, max_len: int) -> None:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.model = model
+        self.ctx = StaticInferenceContext(max_batch_size=batch, max_sequence_length=max_len)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep/copy batch rows of every layer's static KV cache ([seq, batch, ...]) by `index`."""
+        memory = self.ctx.key_value_memory_dict
+        for layer, (k, v) in memory.items():
+            memory[layer] = (k[:, index], v[:, index])
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor | None, start: int, valid: torch.Tensor):
+        batch, seq = tokens.shape
+        if hidden is not None:
+            self.model.set_input_tensor(hidden)
+        positions = torch.arange(start, start + seq, device=tokens.device)[None].expand(batch, seq)
+        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=~attention_mask(valid, start, seq),
+                         inference_context=self.ctx, runtime_gather_output=True)  # megatron mask: True = masked
+        self.ctx.sequence_len_offset = start + seq
+        if start == 0:
+            self.ctx.enable_decode_mode()
+        return out[:, -1, :] if self.model.post_process else out
+
+
+def layer_forward(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """One TransformerLayer over hidden [s, b, h] with the layer's own modules: norms, q/k/v projections, RoPE by
+    `cos` / `signed_sin` (broadcast against [s, b, heads, d]), `attend(q, k, v)` -> context [s, b, H*d] (the
+    caller's cache write + attention), output projection, MLP, the two residual adds."""
+    attn = layer.self_attention
+    q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(hidden))  # [s, b, heads|groups, d]
+    with profile_range("rope"):
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    context = attend(q, k, v)
+    out, bias = attn.linear_proj(context)
+    hidden = hidden + (out if bias is None else out + bias)
+    out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
+    return hidden + (out if bias is None else out + bias)
 
 
 def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

@@ -1,37 +1,32 @@
 """Batched sampling from the policy's own megatron-core GPTModel (colocated, any TP x PP).
 
-A hand-written decode loop, run by every rank of a model replica (SPMD), over one of two stages:
-`KVCacheStage` (rollout/kv_decode.py, the default: the model's megatron modules with a contiguous
-KV cache holding keys after RoPE, so a decode step costs O(1) copies per layer) or
-`StaticContextStage` (megatron's own GPTModel.forward over `StaticInferenceContext`,
-the reference, and the fallback for models with features
-KVCacheStage does not implement, see `kv_decode.unsupported_reason`). Both give the same samples
-up to fp rounding of the logits (tested).
+A hand-written decode loop, run by every rank of a model replica (SPMD), over one of two stages: `KVCacheStage`
+(rollout/kv_decode.py, the default: the model's megatron modules with a contiguous KV cache holding keys after RoPE,
+so a decode step costs O(1) copies per layer) or `StaticContextStage` (megatron's own GPTModel.forward over
+`StaticInferenceContext`, the reference, and the fallback for models with features KVCacheStage does not implement,
+see `kv_decode.unsupported_reason`). Both give the same samples up to fp rounding of the logits (tested).
 
-1. Batching. The call's rows (n per prompt, or n[i] for prompt i: fresh and replayed groups of a
-   step in one call) are sorted by prompt length (longest first) and cut into chunks of
-   `max_batch_sequences` rows. In a chunk each distinct prompt is prefilled ONCE and its KV cache is
-   copied to its sample rows. Rows leave the decode batch as soon as they finish
-   (their KV rows are dropped), and a chunk stops when every row has finished. After each chunk the
-   prompts whose n rows have all finished go to `on_prompts_done` (rollout/types.py), so a caller can
-   grade them while the next chunk generates.
-2. Exactness. Prompts are left-padded; the attention mask hides pad keys (prefill: causal | pad;
-   decode: pad). RoPE ignores position_ids, but scores depend only on relative positions, so a
-   padded row equals the unpadded prompt up to fp rounding. This needs an attention that honours
-   the boolean mask (KVCacheStage's and the local spec's do). With the megatron stage and any other
-   core attention (TE on GPU) the engine batches only prompts of equal length
-   (`pad_free_batches`), which needs no mask.
+1. Batching. The call's rows (n per prompt, or n[i] for prompt i: fresh and replayed groups of a step in one call)
+   are sorted by prompt length (longest first) and cut into chunks of `max_batch_sequences` rows. In a chunk each
+   distinct prompt is prefilled ONCE and its KV cache is copied to its sample rows. Rows leave the decode batch as
+   soon as they finish (their KV rows are dropped), and a chunk stops when every row has finished. After each chunk
+   the prompts whose n rows have all finished go to `on_prompts_done` (rollout/types.py), so a caller can grade them
+   while the next chunk generates.
+2. Exactness. Prompts are left-padded; the attention mask hides pad keys (prefill: causal | pad; decode: pad).
+   RoPE ignores position_ids, but scores depend only on relative positions, so a padded row equals the unpadded
+   prompt up to fp rounding. This needs an attention that honours the boolean mask (KVCacheStage's and the local
+   spec's do). With the megatron stage and any other core attention (TE on GPU) the engine batches only prompts of
+   equal length (`pad_free_batches`), which needs no mask.
 3. TP/PP. Logits are gathered over TP (`runtime_gather_output=True`, megatron's inference
    contract). Stages exchange activations with point-to-point send/recv over the default group;
    the last stage samples, TP rank 0 of the last stage broadcasts (token, log-prob) over TP, and
    the last stage broadcasts them over the PP group, so every rank of the replica holds identical
    tokens and decides stops identically.
-4. Randomness. Counter-based (rollout/sampling.py): sample j of request i uses
-   row_seed(params.seed, request_seeds[i], j) and step t. Guaranteed: for the same weights,
-   prompt, seeds and params, a sample does not depend on the other prompts in the call, on
-   max_batch_sequences, or on the TP/PP layout, except through fp rounding of the logits between
-   different batch/padding shapes (~1e-7), which changes a token only when the uniform falls within
-   that distance of a CDF boundary.
+4. Randomness. Counter-based (rollout/sampling.py): sample j of request i uses row_seed(params.seed,
+   request_seeds[i], j) and step t. Guaranteed: for the same weights, prompt, seeds and params, a sample does not
+   depend on the other prompts in the call, on max_batch_sequences, or on the TP/PP layout, except through fp
+   rounding of the logits between different batch/padding shapes (~1e-7), which changes a token only when the
+   uniform falls within that distance of a CDF boundary.
 5. Expert parallelism (MoE, EP > 1). Every MoE layer of every forward exchanges tokens among the EP ranks, which
    generate different prompts (or none) with different response lengths and so run different numbers of forwards.
    Each forward is therefore one round agreed through the run's `Lockstep` (distributed/lockstep.py, site
@@ -39,13 +34,15 @@ up to fp rounding of the logits (tested).
    all: `generate` with no prompts still joins -- runs every remaining round with a one-token forward of its own
    (no cache, its output unused) until none generates. The `alltoall` dispatcher carries the differing token
    counts. Callers must call `generate` on every rank, with an empty prompt list where a rank has none.
-6. Stops. EOS -> "eos", a `stop_token_ids` token -> "stop" (the token stays in the response and
-   has its log-prob), a decoded stop string -> "stop" with the response truncated right after the
-   token that completed the string (text past the string inside that last token is kept; tokens
-   are never split), `max_new_tokens` reached -> "length".
+6. Stops. EOS -> "eos", a `stop_token_ids` token -> "stop" (the token stays in the response and has its log-prob),
+   a decoded stop string -> "stop" with the response truncated right after the token that completed the string
+   (text past the string inside that last token is kept; tokens are never split), `max_new_tokens` -> "length".
 
-The model is put in eval mode for the call and its training flag restored afterwards; no megatron
-global state is changed (no InferenceMode, the input tensor is reset).
+7. Continuous batching (`decode_loop="continuous"`, rollout/continuous.py): a finished row's slot takes the next
+   row, over a static-shape decode step (rollout/static_decode.py: eager, compiled or CUDA-graphed); same samples.
+
+The model is put in eval mode for the call and its training flag restored afterwards; no megatron global state is
+changed (no InferenceMode, the input tensor is reset).
 """
 
 from __future__ import annotations
@@ -60,7 +57,9 @@ import torch.distributed as dist
 from exgrpo_megatron.distributed.lockstep import Lockstep
 from exgrpo_megatron.model.moe import expert_parallel_group
 from exgrpo_megatron.model.routing_replay import recording, router_choices
-from exgrpo_megatron.rollout.kv_decode import KVCacheStage, attention_mask, profile_range, unsupported_reason
+from exgrpo_megatron.rollout.continuous import ContinuousDecoder
+from exgrpo_megatron.rollout.cuda_graph_step import continuous_settings
+from exgrpo_megatron.rollout.kv_decode import KVCacheStage, StaticContextStage, profile_range, unsupported_reason
 from exgrpo_megatron.rollout.sampling import (
     find_stop_string,
     mask_padded_vocab,
@@ -117,35 +116,6 @@ def plan_chunks(prompt_lengths: list[int], rows: list[Row], max_rows: int, pad_f
     return chunks
 
 
-class StaticContextStage:
-    """This rank's stage through megatron-core's own inference path: `GPTModel.forward` over a
-    `StaticInferenceContext` (keys cached before RoPE). Same interface as `KVCacheStage`."""
-
-    def __init__(self, model, batch: int, max_len: int) -> None:
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        self.model = model
-        self.ctx = StaticInferenceContext(max_batch_size=batch, max_sequence_length=max_len)
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep/copy batch rows of every layer's static KV cache ([seq, batch, ...]) by `index`."""
-        memory = self.ctx.key_value_memory_dict
-        for layer, (k, v) in memory.items():
-            memory[layer] = (k[:, index], v[:, index])
-
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor | None, start: int, valid: torch.Tensor):
-        batch, seq = tokens.shape
-        if hidden is not None:
-            self.model.set_input_tensor(hidden)
-        positions = torch.arange(start, start + seq, device=tokens.device)[None].expand(batch, seq)
-        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=~attention_mask(valid, start, seq),
-                         inference_context=self.ctx, runtime_gather_output=True)  # megatron mask: True = masked
-        self.ctx.sequence_len_offset = start + seq
-        if start == 0:
-            self.ctx.enable_decode_mode()
-        return out[:, -1, :] if self.model.post_process else out
-
-
 class MegatronRolloutEngine:
     """RolloutEngine over the policy's GPTModel; see the module docstring for the guarantees.
 
@@ -154,7 +124,8 @@ class MegatronRolloutEngine:
     is anything with `decode(ids) -> str` and `eos_token_id` (needed only for stop strings / EOS).
     `decode_impl`: "kv_cache" (rollout/kv_decode.py, the default when the model supports it),
     "megatron" (GPTModel.forward over StaticInferenceContext) or "auto"; `last_stats["kv_cache"]`
-    says which ran.
+    says which ran. `decode_loop`, `compile_decode`, `cuda_graphs`, `stop_check_every`, `max_model_len`: the
+    continuous loop (docstring, 7.; `cuda_graph_step.continuous_settings` resolves "auto").
     """
 
     def __init__(
@@ -167,6 +138,11 @@ class MegatronRolloutEngine:
         max_batch_sequences: int = 64,
         pad_free_batches: bool | None = None,
         decode_impl: str = "auto",
+        decode_loop: str = "chunked",
+        compile_decode: bool = False,
+        cuda_graphs: str = "auto",
+        stop_check_every: int = 4,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = unwrap_model(model)
         self.decode: Callable[[list[int]], str] | None = tokenizer.decode if tokenizer is not None else None
@@ -189,6 +165,11 @@ class MegatronRolloutEngine:
         self.last_stats: dict[str, float] = {}
         self.routers = router_choices(self.model)  # MoE: each token's experts are recorded (model/routing_replay.py)
         self.lockstep = Lockstep(expert_parallel_group(self.model))  # MoE at EP > 1: forwards in rounds (docstring, 5.)
+        step_mode = continuous_settings(self.model, decode_loop, compile_decode, cuda_graphs, decode_impl)
+        self.continuous = None if step_mode is None else ContinuousDecoder(
+            self.model, slots=max_batch_sequences, mode=step_mode, stop_check_every=stop_check_every,
+            max_len=max_model_len, vocab_size=vocab_size, eos_token_id=self.eos_token_id,
+            finish_reason=self._finish_reason)
 
     # ---------------------------------------------------------------- RolloutEngine protocol
     def update_weights(self) -> None:
@@ -220,7 +201,10 @@ class MegatronRolloutEngine:
         self.model.eval()
         try:
             with torch.no_grad():
-                for chunk in chunks:
+                if self.continuous is not None:
+                    ordered = [r for chunk in chunks for r in chunk]
+                    results = self.continuous.generate(prompts, ordered, params, counts, on_prompts_done)
+                for chunk in chunks if self.continuous is None else []:
                     for (i, j, _), sample in zip(chunk, self._generate_chunk(prompts, chunk, params), strict=True):
                         results[i][j] = sample
                     if on_prompts_done is not None:
@@ -236,7 +220,8 @@ class MegatronRolloutEngine:
         new_tokens = sum(len(s.response_ids) for group in samples for s in group)
         self.tokens_per_second = new_tokens / max(seconds, 1e-9)
         self.last_stats = {"new_tokens": float(new_tokens), "seconds": seconds, "chunks": float(len(chunks)),
-                           "kv_cache": float(self.decode_impl == "kv_cache")}
+                           "kv_cache": float(self.decode_impl == "kv_cache"),
+                           "continuous": float(self.continuous is not None)}
         return samples
 
     # ---------------------------------------------------------------- one chunk
