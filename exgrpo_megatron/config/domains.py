@@ -113,6 +113,7 @@ DOMAINS: dict[str, Domain] = {
     # trainer
     "trainer.total_steps": AT_LEAST_1, "trainer.train_batch_size": AT_LEAST_1,
     "trainer.ppo_mini_batch_size": AT_LEAST_1, "trainer.micro_batch_max_tokens": AT_LEAST_1,
+    "trainer.update_epochs": AT_LEAST_1,
     "trainer.train_threads": NON_NEGATIVE,  # 0 = this rank's share of the node's cores
     "trainer.val_every": NON_NEGATIVE,  # 0 = never
     "trainer.val_n": AT_LEAST_1, "trainer.sft_warm_start_steps": NON_NEGATIVE,
