@@ -143,7 +143,9 @@ def step_report(c: Components, trained: TrainMetrics, grader_deaths: int, timer:
         **c.policy.routing.take_metrics(c.dp_group),  # MoE: rollout vs training routing (model/routing_replay.py)
     })
     out.update(step_times(timer, refit_seconds))
-    out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(timer.total(), 1e-9)
+    tokens = float(out.pop("tokens/total", 0.0))  # prompt + response tokens of the rows trained on, DP-global
+    out["train/tokens"] = tokens * c.settings.update_epochs  # through the updates' forward + backward, every pass
+    out["throughput/tokens_per_s"] = tokens / max(timer.total(), 1e-9)
     if c.pool is not None:
         out.update(c.pool.stats())
     return out

@@ -187,6 +187,7 @@ class TrainerConfig:
     val_n: int = 1  # avg@k on the validation set
     sft_warm_start_steps: int = 0  # synthetic task only: supervised warm-start steps before RL (cached)
     sft_warm_start_lr: float = 1e-3
+    sft_warm_start_examples: int = 0  # warm-start corpus size; 0 = data.num_train_examples (policy/warm_start.py)
     sft_cache_dir: str = ".cache/sft_warm_start"
 
 
