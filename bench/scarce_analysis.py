@@ -272,6 +272,6 @@ def markdown(summary: dict) -> str:
                 lines.append(f"| {arm} - {base} | {len(c['seeds'])} | " + " | ".join(cells_) + " |")
         measures = {c["a_measure"] for by_base in d["versus"].values() for c in by_base.values() if c["seeds"]}
         not_replay = "; ".join(f"{arm}: ({', '.join(c)})" for arm, c in d["more_updates_not_replay"].items())
-        lines += ["", "(a) measured as: " + "; ".join(sorted(measures)),
+        lines += ["", "(a) measured as: " + ("; ".join(sorted(measures)) or "n/a (no arm paired with a baseline yet)"),
                   f"more updates, not replay: {not_replay or 'none'}", ""]
     return "\n".join(lines)
