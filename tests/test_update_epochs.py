@@ -6,6 +6,7 @@ tests/test_trainer.py, observed through the StepObserver hooks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from exgrpo_megatron.config.loader import load_config
@@ -63,16 +64,18 @@ def _train(overrides: list[str], reference_second_pass: bool) -> dict:
     return rec
 
 
-def test_two_passes_equal_two_consecutive_single_pass_updates_on_the_same_rollouts(tmp_path):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_two_passes_equal_two_consecutive_single_pass_updates_on_the_same_rollouts(tmp_path, dp):
     """trainer.update_epochs=2 (2 mini-batch updates per pass, the rollout's pi_old): update indices 0..3, the second
     pass sees the first pass's pi_old exactly, and every step ends with exactly the weights of the single-pass run +
     the test's own second pass (which moved the weights: the comparison is not vacuous). Fails if the trainer makes
-    one pass, recomputes pi_old between passes, or splits the second pass differently."""
+    one pass, recomputes pi_old between passes, or splits the second pass differently. At DP = 2 each rank trains
+    its own groups (different rows and token counts per rank) and checks its own weights."""
     common = (f"trainer.total_steps={STEPS}", "algo.name=grpo")
-    two = run_on_ranks(_train, 1, args=(_overrides(str(tmp_path / "two"), extra=(*common, "trainer.update_epochs=2")),
-                                        False))[0]
-    ref = run_on_ranks(_train, 1, args=(_overrides(str(tmp_path / "ref"), extra=common), True))[0]
-    for step in range(1, STEPS + 1):
+    twos = run_on_ranks(_train, dp, args=(_overrides(str(tmp_path / "two"), extra=(*common, "trainer.update_epochs=2")),
+                                          False))
+    refs = run_on_ranks(_train, dp, args=(_overrides(str(tmp_path / "ref"), extra=common), True))
+    for two, ref, step in ((t, r, s) for t, r in zip(twos, refs, strict=True) for s in range(1, STEPS + 1)):
         assert two["updates"][step] == [0, 1, 2, 3], two["updates"]
         assert ref["updates"][step] == [0, 1], ref["updates"]
         first, second = two["old_logprobs"][step][:2], two["old_logprobs"][step][2:]
