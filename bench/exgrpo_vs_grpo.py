@@ -61,7 +61,7 @@ sys.path.insert(0, HERE)
 import fidelity_analysis as fa  # noqa: E402  (bench/, put on the path above)
 import recipe_analysis as rc  # noqa: E402
 import scarce_analysis as sa  # noqa: E402
-from experiment_arms import (  # noqa: E402  # noqa: E402
+from experiment_arms import (  # noqa: E402
     ABLATIONS,
     ARMS,
     DIAGNOSES,
