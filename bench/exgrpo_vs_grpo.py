@@ -4,7 +4,12 @@ Protocols (`--protocol`; every variant is a list of config overrides in bench/ex
 * paper_ratio (default; preset `conf/paper_ratio_cpu.yaml`): the paper's regime -- 360 distinct training questions
   per batch slot, ~1 epoch of fresh draws for ExGRPO and ~2 for GRPO, 2 updates per step, delayed start 0.35;
 * fidelity (preset `conf/fidelity_cpu.yaml`): the earlier miniature (24 questions per batch slot), kept so its
-  records (bench/results/fidelity_runs/) stay reproducible.
+  records (bench/results/fidelity_runs/) stay reproducible;
+* scarce (presets `conf/scarce_256_cpu.yaml`, `conf/scarce_1024_cpu.yaml`): a fixed small training set over many
+  epochs, replay that costs no generation against GRPO and GRPO with one more update pass, both starts, one rate
+  (`SCARCE` in bench/experiment_arms.py); analysed against the criteria docs/results.md pre-registered
+  (bench/scarce_analysis.py); each weak-start run also records the pass@8 probe of its training questions at its
+  warm start and at its end (start_train_probe.json, train_probe.json).
 Method:
 * equal rollout budget: both arms run the same steps x B prompts x K rollouts; ExGRPO generates K-1 per replayed
   question (the stored trajectory is the K-th), so it gets at most as many generated trajectories as GRPO
@@ -35,16 +40,15 @@ Runs that share a warm start (same seed and warm-start settings) share its cache
     .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 1  # then final, ablation, weak_start, recipes
     .venv/bin/python bench/exgrpo_vs_grpo.py --analyse-only          # tables + JSON + PNG from what exists
     .venv/bin/python bench/exgrpo_vs_grpo.py --protocol fidelity --analyse-only   # the earlier miniature
+    .venv/bin/python bench/exgrpo_vs_grpo.py --protocol scarce --plan  # then --jobs 2 (--seeds 1 .. 10 to extend)
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -56,9 +60,23 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 import fidelity_analysis as fa  # noqa: E402  (bench/, put on the path above)
 import recipe_analysis as rc  # noqa: E402
-from experiment_arms import ABLATIONS, ARMS, DIAGNOSES, MATCHED_GRPO, RECIPES, WEAK_RECIPES, WEAK_START  # noqa: E402
+import scarce_analysis as sa  # noqa: E402
+from experiment_arms import (  # noqa: E402
+    ABLATIONS,
+    ARMS,
+    DIAGNOSES,
+    MATCHED_GRPO,
+    RECIPES,
+    SCARCE,
+    SCARCE_LR,
+    WEAK_RECIPES,
+    WEAK_START,
+    scarce_config_name,
+    scarce_unavailable,
+)
+from run_records import RECORD_FILES, import_records, keep_record, note_provenance  # noqa: E402, F401
 
-PHASES = ("sweep", "final", "ablation", "weak_start", "stability", "diagnosis", "recipes")
+PHASES = ("sweep", "final", "ablation", "weak_start", "stability", "diagnosis", "recipes", "scarce")
 PROTOCOLS: dict[str, dict] = {
     "paper_ratio": dict(config_name="paper_ratio_cpu", root="bench_paper_ratio", records="paper_ratio_runs",
                         out="exgrpo_vs_grpo_paper_ratio", lrs=[1.25e-5, 2.5e-5, 5e-5, 1e-4], sweep_seeds=[1, 2],
@@ -66,6 +84,9 @@ PROTOCOLS: dict[str, dict] = {
     "fidelity": dict(config_name="fidelity_cpu", root="bench_fidelity", records="fidelity_runs",
                      out="exgrpo_vs_grpo_fidelity", lrs=[2.5e-5, 5e-5, 1e-4], sweep_seeds=[1, 2, 3, 4, 5],
                      phases=["sweep", "final", "ablation", "stability", "diagnosis"]),
+    "scarce": dict(config_name="scarce_256_cpu", root="bench_scarce", records="scarce_runs",
+                   out="exgrpo_vs_grpo_scarce", lrs=[SCARCE_LR], sweep_seeds=[], phases=["scarce"],
+                   step_seconds_records="paper_ratio_runs"),
 }
 
 
@@ -77,10 +98,11 @@ class Run:
     seed: int
     run_dir: str
     record_dir: str  # the finished run's committed record (RECORD_FILES)
+    config_name: str = ""  # its preset when not the protocol's (the data-scarce set sizes)
 
     @property
     def overrides(self) -> list[str]:
-        return {**ARMS, **ABLATIONS, **DIAGNOSES, **WEAK_START, **RECIPES, **WEAK_RECIPES}[self.variant]
+        return {**ARMS, **ABLATIONS, **DIAGNOSES, **WEAK_START, **RECIPES, **WEAK_RECIPES, **SCARCE}[self.variant]
 
     @property
     def weak_start(self) -> bool:
@@ -96,56 +118,17 @@ class Run:
         keep_record(self.run_dir, self.record_dir)
 
 
-def keep_record(run_dir: str, record_dir: str) -> None:
-    """A run's record files into `record_dir`, metrics.jsonl gzip-compressed (~10x smaller; fidelity_analysis reads
-    either), test_eval.json last: its presence marks the record complete."""
-    os.makedirs(record_dir, exist_ok=True)
-    for name in RECORD_FILES:
-        src = os.path.join(run_dir, name)
-        if not os.path.isfile(src):  # provenance/start_eval: newer records only
-            continue
-        if name == "metrics.jsonl":
-            with open(src, "rb") as fin, gzip.GzipFile(os.path.join(record_dir, name + ".gz"), "wb", mtime=0) as out:
-                shutil.copyfileobj(fin, out)
-        else:
-            shutil.copyfile(src, os.path.join(record_dir, name))
-
-
-RECORD_FILES = ("config.yaml", "metrics.jsonl", "provenance.json", "start_eval.json", "test_eval.json")
-
-
-def code_version() -> str:
-    """The commit the run's code is at, with '+dirty' when tracked files other than the bench's own outputs
-    (bench/results/, which the analysis at the end of a grid rewrites) differ from it."""
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
-    return git("rev-parse", "HEAD") + ("+dirty" if changed else "")
-
-
-def note_provenance(run: Run) -> None:
-    """Append this launch's code version to the run's provenance (a resumed run lists every launch)."""
-    path = os.path.join(run.run_dir, "provenance.json")
-    prov: dict = {"launches": []}
-    if os.path.isfile(path):
-        with open(path) as fh:
-            prov = json.load(fh)
-    prov["launches"].append({"code_version": code_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                     time.gmtime())})
-    with open(path, "w") as fh:
-        json.dump(prov, fh, indent=1)
-
-
 def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> list[Run]:
     """Every run of the requested phases, deduplicated by run dir (a final seed that the sweep ran is reused)."""
     runs: dict[str, Run] = {}
 
-    def add(phase: str, variant: str, lr: float | None, seeds: list[int]) -> None:
+    def add(phase: str, variant: str, lr: float | None, seeds: list[int], config_name: str = "") -> None:
         if lr is None:
             return
         for seed in seeds:
             d = fa.run_dir(args.root, variant, lr, seed)
-            runs.setdefault(d, Run(phase, variant, lr, seed, d, fa.run_dir(args.records, variant, lr, seed)))
+            runs.setdefault(d, Run(phase, variant, lr, seed, d, fa.run_dir(args.records, variant, lr, seed),
+                                   config_name))
 
     for phase in args.phase:
         for arm in ARMS:
@@ -165,6 +148,9 @@ def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> lis
             for name in [*RECIPES, *WEAK_RECIPES]:  # each at the rate the sweep chose for its algorithm
                 add(phase, name, best_lr["grpo" if name.removeprefix("weak_").startswith("grpo") else "exgrpo"],
                     args.seeds)
+        if phase == "scarce":  # one rate for every arm (pre-registered), no sweep
+            for name in [n for n in SCARCE if n not in scarce_unavailable()]:  # arms whose keys this code version has
+                add(phase, name, SCARCE_LR, args.seeds, scarce_config_name(name))
         if phase == "diagnosis":
             for name in DIAGNOSES:
                 for lr in (best_lr["grpo"], max(args.lrs) * args.stability_lr_factor):
@@ -174,7 +160,8 @@ def plan_runs(args: argparse.Namespace, best_lr: dict[str, float | None]) -> lis
 
 
 def train_argv(args: argparse.Namespace, run: Run) -> list[str]:
-    return [sys.executable, "-m", "exgrpo_megatron.train", "--config-name", args.config_name, f"seed={run.seed}",
+    return [sys.executable, "-m", "exgrpo_megatron.train", "--config-name", run.config_name or args.config_name,
+            f"seed={run.seed}",
             f"optim.lr={run.lr:g}", f"logging.run_dir={run.run_dir}", "logging.tensorboard=false",
             "logging.progress_bar=false", "checkpoint.resume=auto", f"trainer.sft_cache_dir={args.sft_cache}",
             f"trainer.train_threads={args.threads}",  # auto would take every core in each of --jobs runs
@@ -182,14 +169,20 @@ def train_argv(args: argparse.Namespace, run: Run) -> list[str]:
 
 
 def eval_argv(args: argparse.Namespace, run: Run) -> list[str]:
-    """The test-split evaluation of the finished run, preceded for weak-start runs by that of its warm start."""
+    """The test-split evaluation of the finished run, preceded for weak-start runs by that of its warm start, and for
+    the data-scarce weak-start runs by the pass@8 probe (T = 1, per-question counts) of the training questions at the
+    warm start and at the end (test_eval.json last: it marks the record complete)."""
     tool = [sys.executable, os.path.join(REPO, "tools", "arithmetic_eval.py"), "test", "--run-dir", run.run_dir]
     final = [*tool, "--out", os.path.join(run.run_dir, "test_eval.json")]
     if not run.weak_start:
         return final
-    start = [*tool, "--weights", os.path.dirname(warm_start_ready(args, run)),
-             "--out", os.path.join(run.run_dir, "start_eval.json")]
-    return [*start, "&&", *final]
+    weights = ["--weights", os.path.dirname(warm_start_ready(args, run))]
+    start = [*tool, *weights, "--out", os.path.join(run.run_dir, "start_eval.json")]
+    if run.phase != "scarce":
+        return [*start, "&&", *final]
+    probe = [*tool, "--split", "train", "--temperatures", "1.0", "--counts"]
+    return [*start, "&&", *probe, *weights, "--out", os.path.join(run.run_dir, "start_train_probe.json"), "&&",
+            *probe, "--out", os.path.join(run.run_dir, "train_probe.json"), "&&", *final]
 
 
 def warm_start_ready(args: argparse.Namespace, run: Run) -> str:
@@ -197,8 +190,8 @@ def warm_start_ready(args: argparse.Namespace, run: Run) -> str:
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.policy.warm_start import cache_key
 
-    cfg = load_config(args.config_name, [f"seed={run.seed}", f"trainer.sft_cache_dir={args.sft_cache}",
-                                         *args.override, *run.overrides])
+    cfg = load_config(run.config_name or args.config_name, [
+        f"seed={run.seed}", f"trainer.sft_cache_dir={args.sft_cache}", *args.override, *run.overrides])
     return os.path.join(args.sft_cache, cache_key(cfg), "model_config.yaml")
 
 
@@ -223,7 +216,7 @@ def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
                     continue  # another run is training the shared warm start
                 warming.add(ready[run.run_dir])
             os.makedirs(run.run_dir, exist_ok=True)
-            note_provenance(run)
+            note_provenance(run.run_dir)
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MASTER_PORT=str(free_local_port()),
                        HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                        PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
@@ -255,25 +248,33 @@ def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
 
 
 def estimate_cpu_s(args: argparse.Namespace, runs: list[Run], seconds_per_step: float,
-                   unplanned: int = 0) -> dict[str, float]:
-    """CPU seconds of the runs still to do: steps x seconds/step, validation, test evaluation, one warm start
-    per new seed (single-thread seconds measured on this machine; scale by 1/parallel jobs for wall time).
-    `unplanned`: runs that wait for the sweep's learning-rate choice, counted at the same cost."""
+                   unplanned: list[str] | None = None) -> dict[str, float]:
+    """CPU seconds of the runs still to do: steps x seconds/step, validation, test evaluation (and the training-split
+    probes of the data-scarce weak-start runs), one warm start per new seed, from each run's own preset
+    (single-thread seconds measured on this machine; scale by 1/parallel jobs for wall time). `unplanned`: runs that
+    wait for the sweep's learning-rate choice or for their arm's code, each named by its preset and counted at its
+    cost. Every arm is counted at the measured seconds per step (the arms that train more rows per step, in-group
+    replay and the extra update pass, cost more)."""
     from exgrpo_megatron.config.loader import load_config
 
-    cfg = load_config(args.config_name, args.override)
-    t, d = cfg.trainer, cfg.data
-    val_s = (t.total_steps // max(t.val_every, 1)) * d.num_val_examples / (t.train_batch_size * cfg.rollout.n) \
-        * seconds_per_step * 0.5  # generation only: about half a step's time per B*K samples
-    test_s = d.num_test_examples * 17 / (t.train_batch_size * cfg.rollout.n) * seconds_per_step * 0.5
-    warm_s = t.sft_warm_start_steps * args.warm_start_step_seconds
+    def cost(config_name: str, overrides: list[str], probe: bool) -> tuple[float, float]:
+        cfg = load_config(config_name, [*args.override, *overrides])
+        t, d = cfg.trainer, cfg.data
+        per_sample = seconds_per_step * 0.5 / (t.train_batch_size * cfg.rollout.n)  # generation: ~half a step
+        samples = (t.total_steps // max(t.val_every, 1)) * d.num_val_examples + d.num_test_examples * 17 \
+            + (2 * d.num_train_examples * 9 if probe else 0)  # val avg@1; test greedy + 2 x avg@8; probes
+        return t.total_steps * seconds_per_step + samples * per_sample, t.sft_warm_start_steps * \
+            args.warm_start_step_seconds
+
     todo = [r for r in runs if not r.done]
-    new_seeds = {p for p in (warm_start_ready(args, r) for r in todo) if not os.path.isfile(p)}
-    train_s = (len(todo) + unplanned) * (t.total_steps * seconds_per_step + val_s + test_s)
-    return {"runs_total": len(runs) + unplanned, "runs_todo": len(todo) + unplanned,
-            "runs_waiting_for_lr_choice": unplanned, "train_eval_cpu_s": round(train_s),
-            "warm_start_cpu_s": round(len(new_seeds) * warm_s), "total_cpu_h": round((train_s + len(new_seeds)
-                                                                                      * warm_s) / 3600, 2)}
+    costs = [cost(r.config_name or args.config_name, r.overrides, r.phase == "scarce" and r.weak_start) for r in todo]
+    unplanned = unplanned or []
+    train_s = sum(c for c, _ in costs) + sum(cost(name, [], False)[0] for name in unplanned)
+    warm = {warm_start_ready(args, r): w for r, (_, w) in zip(todo, costs, strict=True)}
+    warm_s = sum(w for path, w in warm.items() if not os.path.isfile(path))
+    return {"runs_total": len(runs) + len(unplanned), "runs_todo": len(todo) + len(unplanned),
+            "runs_not_planned_yet": len(unplanned), "train_eval_cpu_s": round(train_s),
+            "warm_start_cpu_s": round(warm_s), "total_cpu_h": round((train_s + warm_s) / 3600, 2)}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -319,31 +320,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.out_json = args.out_json or os.path.join(HERE, "results", proto["out"] + ".json")
     args.out_png = args.out_png or os.path.join(HERE, "results", proto["out"] + ".png")
     args.sft_cache = os.path.join(args.root, "sft_cache")
-    if len(args.lrs) < 4 or len(args.seeds) < 5 or len(args.ablation_seeds) < 3:
+    args.step_seconds_records = os.path.join(HERE, "results", proto.get("step_seconds_records", proto["records"]))
+    if args.protocol == "scarce":
+        if len(args.seeds) < 5:
+            print("[bench] note: fewer than 5 paired seeds is below the pre-registered protocol", file=sys.stderr)
+    elif len(args.lrs) < 4 or len(args.seeds) < 5 or len(args.ablation_seeds) < 3:
         print("[bench] note: fewer than 4 rates / 5 final seeds / 3 ablation seeds is below the protocol",
               file=sys.stderr)
     return args
-
-
-def import_records(src_root: str, dst_root: str) -> list[str]:
-    """The finished records (test_eval.json present) under `src_root` missing from `dst_root`, kept there."""
-    added = []
-    for name in sorted(os.listdir(src_root)):
-        src, dst = os.path.join(src_root, name), os.path.join(dst_root, name)
-        finished = os.path.isfile(os.path.join(src, "test_eval.json"))
-        if finished and not os.path.isfile(os.path.join(dst, "test_eval.json")):
-            keep_record(src, dst)
-            added.append(name)
-    return added
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.import_records:
         print(f"[bench] imported {import_records(args.import_records, args.records)}", file=sys.stderr)
-    best = fa.best_learning_rates(args.records, list(ARMS), args.lrs, args.sweep_seeds)
+    best = ({arm: None for arm in ARMS} if args.protocol == "scarce"  # one pre-registered rate, no sweep
+            else fa.best_learning_rates(args.records, list(ARMS), args.lrs, args.sweep_seeds))
     runs = plan_runs(args, {arm: b["lr"] if b else None for arm, b in best.items()})
-    step_s = args.step_seconds or fa.median_step_seconds(args.records) or 6.0
+    step_s = args.step_seconds or fa.median_step_seconds(args.records) or fa.median_step_seconds(
+        args.step_seconds_records) or 6.0
     if args.plan:
         for r in runs:
             state = "done" if r.done else ("partial" if os.path.isdir(r.run_dir) else "todo")
@@ -358,9 +353,17 @@ def main(argv: list[str] | None = None) -> int:
         if unplanned:
             print(f"({unplanned} final/ablation runs wait for the sweep's validation results to pick the learning "
                   "rate; re-plan after the sweep to list them)")
-        print(json.dumps({"seconds_per_step": step_s, **estimate_cpu_s(args, runs, step_s, unplanned)}))
+        waiting = [args.config_name] * unplanned
+        for name, why in scarce_unavailable().items() if "scarce" in args.phase else ():
+            print(f"({name}: {len(args.seeds)} runs not planned, this code version cannot run them: {why})")
+            waiting += [scarce_config_name(name)] * len(args.seeds)
+        print(json.dumps({"seconds_per_step": step_s, **estimate_cpu_s(args, runs, step_s, waiting)}))
         return 0
     failed = [] if args.analyse_only else execute(args, runs)
+    if args.protocol == "scarce":
+        return sa.write_summary(args.records, args.seeds, args.out_json, args.out_png, failed, {
+            "command": shlex.join(["bench/exgrpo_vs_grpo.py", *(argv if argv is not None else sys.argv[1:])]),
+            "variant_overrides": SCARCE, "cpu_count": os.cpu_count(), "loadavg": os.getloadavg()})
     summary = fa.analyse(args.records, ARMS, ABLATIONS, best, args.seeds, args.ablation_seeds, args.threshold,
                          args.lrs, args.stability_lr_factor, args.out_png, DIAGNOSES, args.sweep_seeds)
     summary["recipes"] = rc.analyse_recipes(args.records, RECIPES, WEAK_RECIPES, MATCHED_GRPO, best, args.seeds,

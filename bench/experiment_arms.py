@@ -4,6 +4,8 @@ outcome of this task."""
 
 from __future__ import annotations
 
+import functools
+
 ARMS: dict[str, list[str]] = {"exgrpo": [], "grpo": ["algo.name=grpo"]}
 # The paper's Tab. 6 / Tab. 3 ablations (ExGRPO arm, rho = 0.5 is the full method).
 ABLATIONS: dict[str, list[str]] = {
@@ -54,3 +56,64 @@ MATCHED_GRPO = {"append_rho_0.5": "grpo_b12", "append_rho_0.25": "grpo_b10"}
 DIAGNOSES: dict[str, list[str]] = {"exgrpo_mixed_clip": ["algo.mixed_phase_clip=true"]}
 WEAK_RECIPES: dict[str, list[str]] = {f"weak_{name}": [*ov, *WEAK_START_OVERRIDES] for name, ov in RECIPES.items()
                                       if not name.startswith("grpo_b")}
+# The data-scarce regime (conf/scarce_<n>_cpu.yaml; docs/results.md, "Pre-registered: replay that costs no
+# generation, with few questions and many epochs"): a fixed set of n questions over many epochs, every arm at GRPO's
+# validated rate of the paper regime (not swept per arm), both starts, the settings the sources use:
+# * grpo_extra_pass: GRPO with one more update pass over the same rollouts (verl's ppo_epochs = 2), so that more
+#   updates cannot pass for replay;
+# * ingroup_replay (RePO: 8 fresh + 8 replayed): each fresh group gains up to r = 8 of its question's own stored
+#   responses, failures too (the enlarged group's advantages need both), truncated IS cap 2 (as su01 above), stored
+#   responses older than 3 epochs' steps dropped (3 x n / B: 96 steps for 256 questions, 384 for 1,024);
+# * rescue_replay (AR3PO): an all-failed fresh group gains one stored success of its question, truncated IS cap 2;
+# * exgrpo_append: the current recommendation (conf/exgrpo_append.yaml: the paper's recipe, replayed questions
+#   appended, rho 0.25 -- RECIPES' append_rho_0.25).
+SCARCE_SET_SIZES = (256, 1024)
+SCARCE_LR = 2.5e-5
+SCARCE_BATCH = 8  # the presets' trainer.train_batch_size
+
+
+def scarce_arms(questions: int) -> dict[str, list[str]]:
+    """The five arms' overrides on conf/scarce_<questions>_cpu.yaml."""
+    stale_steps = 3 * questions // SCARCE_BATCH
+    return {
+        "grpo": ["algo.name=grpo"],
+        "grpo_extra_pass": ["algo.name=grpo", "trainer.update_epochs=2"],
+        "ingroup_replay": ["algo.name=ingroup_replay", "experience.ingroup_size=8", "experience.ingroup_failures=true",
+                           f"experience.max_age_steps={stale_steps}", "algo.replay_tis_cap=2"],
+        "rescue_replay": ["algo.name=rescue_replay", "algo.replay_tis_cap=2"],
+        "exgrpo_append": RECIPES["append_rho_0.25"],
+    }
+
+
+def scarce_variant(arm: str, questions: int, weak: bool) -> str:
+    return f"{'weak_' if weak else ''}{arm}_q{questions}"
+
+
+def scarce_config_name(variant: str) -> str:
+    """The preset a data-scarce variant runs on (its set size is the name's `_q<n>` suffix)."""
+    return f"scarce_{variant.rsplit('_q', 1)[1]}_cpu"
+
+
+SCARCE: dict[str, list[str]] = {
+    scarce_variant(arm, n, weak): [*ov, *(WEAK_START_OVERRIDES if weak else [])]
+    for n in SCARCE_SET_SIZES for weak in (False, True) for arm, ov in scarce_arms(n).items()}
+
+
+@functools.cache
+def scarce_unavailable() -> dict[str, str]:
+    """The data-scarce variants this code version cannot run (an arm's algorithm or keys not merged yet) -> why."""
+    from exgrpo_megatron.algo.registry import build_algorithm
+    from exgrpo_megatron.config.loader import load_config
+    from exgrpo_megatron.config.validate import ConfigError, all_errors
+
+    out = {}
+    for name, overrides in SCARCE.items():
+        try:  # what exgrpo-train checks before it builds anything else (exit 2)
+            cfg = load_config(scarce_config_name(name), overrides)
+            errors = all_errors(cfg, 1, check_paths=False)
+            build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+        except ConfigError as err:
+            errors = [str(err).splitlines()[-1].strip()]
+        if errors:
+            out[name] = errors[0]
+    return out

@@ -38,7 +38,8 @@ class StepSettings:
     seed: int
     batch_size: int  # trainer.train_batch_size: question groups per step
     group_size: int  # rollout.n: K
-    updates_per_step: int  # train_batch_size / ppo_mini_batch_size
+    updates_per_step: int  # train_batch_size / ppo_mini_batch_size: mini-batch updates per pass
+    update_epochs: int  # trainer.update_epochs: passes over the step's rollouts (pi_old fixed for all of them)
     micro_batch_max_tokens: int
     sequence_packing: bool
     sampling: SamplingParams  # the rollout's; its seed is set per step and round
@@ -52,6 +53,7 @@ def step_settings(cfg: RootConfig) -> StepSettings:
     t, r = cfg.trainer, cfg.rollout
     return StepSettings(
         seed=cfg.seed, batch_size=t.train_batch_size, group_size=r.n, updates_per_step=updates_per_step(t),
+        update_epochs=t.update_epochs,
         micro_batch_max_tokens=t.micro_batch_max_tokens, sequence_packing=t.sequence_packing,
         sampling=SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=r.temperature,
                                 top_p=r.top_p, top_k=r.top_k, stop_strings=list(r.stop)),

@@ -148,7 +148,9 @@ def step_report(c: Components, trained: TrainMetrics, grader_deaths: int, timer:
         **c.policy.routing.take_metrics(c.dp_group),  # MoE: rollout vs training routing (model/routing_replay.py)
     })
     out.update(step_times(timer, refit_seconds))
-    out["throughput/tokens_per_s"] = float(out.pop("tokens/total", 0.0)) / max(timer.total(), 1e-9)
+    tokens = float(out.pop("tokens/total", 0.0))  # prompt + response tokens of the rows trained on, DP-global
+    out["train/tokens"] = tokens * c.settings.update_epochs  # through the updates' forward + backward, every pass
+    out["throughput/tokens_per_s"] = tokens / max(timer.total(), 1e-9)
     if c.pool is not None:
         out.update(c.pool.stats())
     if c.responses is not None:
@@ -227,11 +229,14 @@ def recomputed_mismatch(c: Components, batch: TrainBatch) -> tuple[float, float]
 
 def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase) -> list[UpdateMetrics]:
     """The step's mini-batch updates (the paper: 2 per step), each over its share of the groups with normalisers
-    from its DP-global token and sequence counts. Returns each update's result and loss metrics, in order."""
+    from its DP-global token and sequence counts, repeated for `trainer.update_epochs` passes over the same rows
+    with the same pi_old (the batch's, from before the first update). Returns each update's result and loss
+    metrics, in order (update index u counts on across passes)."""
     s = c.settings
     c.policy.train()
     updates = []
-    for u, chunk in enumerate(np.array_split(np.arange(n_groups), s.updates_per_step)):
+    chunks = np.array_split(np.arange(n_groups), s.updates_per_step) * s.update_epochs
+    for u, chunk in enumerate(chunks):
         rows = batch.rows_of_groups(set(chunk.tolist()))
         counts = global_loss_counts([batch.response_lengths[i] for i in rows], c.dp_group)
         mbs = micro_batches_for_update(batch, rows, s.micro_batch_max_tokens, packed=s.sequence_packing,

@@ -8,7 +8,7 @@ import pytest
 
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.pi_old_source import resolve_old_logprobs, resolve_old_logprobs_for, rollout_logprobs_exact
-from exgrpo_megatron.config.validate import config_errors
+from exgrpo_megatron.config.validate import all_errors, config_errors
 from exgrpo_megatron.experience.selection import choose_trajectories
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
 from exgrpo_megatron.experience.types import CandidateScores, GroupOutcome, as_trajectory
@@ -63,6 +63,20 @@ def test_the_resolved_source_follows_precision_engine_and_updates_per_step():
     assert source("model.params_dtype=bf16", *two) == "recompute"
     ahead = ["rollout.max_staleness=1", "algo.fresh_is_cap=2"]
     assert source(*ahead, *one) == "training_forward" and source(*ahead, *two) == "recompute"
+    # two passes over the rollouts: the second pass's updates run on changed weights, as a second mini-batch's do
+    assert source("model.params_dtype=bf16", *one, "trainer.update_epochs=2") == "recompute"
+    assert source(*one, "trainer.update_epochs=2") == "rollout"
+
+
+def test_update_epochs_refused_with_the_training_forward_and_out_of_range_naming_the_key():
+    one = ["trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=8"]
+    assert config_errors(load_config("demo_cpu", [*one, "algo.old_logprobs=training_forward"]), 1) == []
+    errors = config_errors(load_config("demo_cpu", [*one, "algo.old_logprobs=training_forward",
+                                                    "trainer.update_epochs=2"]), 1)
+    assert len(errors) == 1 and errors[0].startswith("trainer.update_epochs:"), errors
+    assert config_errors(load_config("demo_cpu", [*one, "trainer.update_epochs=2"]), 1) == []
+    errors = all_errors(load_config("demo_cpu", ["trainer.update_epochs=0"]), 1, check_paths=False)
+    assert errors and all(e.startswith("trainer.update_epochs") for e in errors), errors
 
 
 def _traj(tokens: list[int], step: int = 0):

@@ -12,7 +12,9 @@ Two uses (one process, one rank; run from the repo root with PYTHONPATH=$PWD):
                  the TEST split (data.num_test_examples; the run's own resolved config): greedy accuracy and avg@k
                  at each --temperatures. Writes JSON. `--split train --questions N`: the first N TRAINING
                  questions instead (the questions the run trained and replayed on), to compare with the test
-                 split (a larger train - test gap in one arm = overfitting the questions it saw).
+                 split (a larger train - test gap in one arm = overfitting the questions it saw). `--counts`:
+                 also each question's #correct of k at each temperature (the pass@k probe per question: which
+                 hard questions a run taught, e.g. `--split train --temperatures 1.0 --counts`).
       python tools/arithmetic_eval.py test --run-dir runs/x --out runs/x/test_eval.json
 
 avg@k = (1/Q) sum_q (1/k) sum_j c_qj (as exgrpo_megatron.evaluate); greedy = temperature 0, one sample.
@@ -122,11 +124,13 @@ def test_split(args: argparse.Namespace) -> dict:
     if test is None:
         raise SystemExit(f"{args.run_dir}: data.num_test_examples is 0 in its config")
     qids = test.qids()[:args.questions] if args.questions else test.qids()
-    out = {"run_dir": args.run_dir, "checkpoint": str(ckpt), "split": args.split, "questions": len(qids)}
+    out: dict = {"run_dir": args.run_dir, "checkpoint": str(ckpt), "split": args.split, "questions": len(qids)}
     out["greedy"] = float(np.mean(correct_counts(c, test, qids, 1, 0.0, seed=cfg.seed)))
     for temperature in args.temperatures:
         counts = correct_counts(c, test, qids, args.k, temperature, seed=cfg.seed + 1)
         out[f"avg@{args.k}_T{temperature:g}"] = float(np.mean(counts)) / args.k
+        if args.counts:  # in the split's question order (the first `questions` of it)
+            out[f"correct_of_{args.k}_T{temperature:g}"] = counts
     return out
 
 
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--out", required=True, help="JSON file")
     t.add_argument("--split", choices=("test", "train"), default="test")
     t.add_argument("--questions", type=int, default=0, help="only the split's first N questions (0: all)")
+    t.add_argument("--counts", action="store_true", help="also each question's #correct of k per temperature")
     t.add_argument("--weights", default=None,
                    help="evaluate these weights (e.g. the run's cached warm start) instead of its newest checkpoint")
     args = p.parse_args(argv)

@@ -59,5 +59,10 @@ def vllm_dtype(setting: str, policy_dtype: torch.dtype) -> str:
 
 
 def updates_per_step(t: TrainerConfig) -> int:
-    """Optimizer updates per RL step: train_batch_size / ppo_mini_batch_size (the paper: 2)."""
+    """Mini-batch updates per pass over the step's rollouts: train_batch_size / ppo_mini_batch_size (the paper: 2)."""
     return max(1, t.train_batch_size // t.ppo_mini_batch_size)
+
+
+def optimizer_updates_per_step(t: TrainerConfig) -> int:
+    """Optimizer updates per RL step: `trainer.update_epochs` passes x `updates_per_step` mini-batch updates."""
+    return updates_per_step(t) * max(1, t.update_epochs)

@@ -114,10 +114,12 @@ DOMAINS: dict[str, Domain] = {
     # trainer
     "trainer.total_steps": AT_LEAST_1, "trainer.train_batch_size": AT_LEAST_1,
     "trainer.ppo_mini_batch_size": AT_LEAST_1, "trainer.micro_batch_max_tokens": AT_LEAST_1,
+    "trainer.update_epochs": AT_LEAST_1,
     "trainer.train_threads": NON_NEGATIVE,  # 0 = this rank's share of the node's cores
     "trainer.val_every": NON_NEGATIVE,  # 0 = never
     "trainer.val_n": AT_LEAST_1, "trainer.sft_warm_start_steps": NON_NEGATIVE,
     "trainer.sft_warm_start_lr": POSITIVE,
+    "trainer.sft_warm_start_examples": NON_NEGATIVE,  # 0 = data.num_train_examples
     # experience
     "experience.ratio": Domain(lo=0, hi=1, hi_open=True),
     "experience.delayed_start_pass_rate": Domain(hi=1),  # <= 0: mixed mode from step 1

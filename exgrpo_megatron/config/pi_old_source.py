@@ -7,7 +7,8 @@
 - `training_forward`: with one optimizer update per step (`trainer.ppo_mini_batch_size` = `train_batch_size`) that
   update's forward runs on the weights the step starts from, so its own log-probs, detached, ARE the trainer's
   pi_old: no extra pass, the fresh-token ratio is exactly 1 and only its gradient acts. Later updates of a step
-  run on changed weights, so with several updates per step it is refused.
+  run on changed weights, so with several updates per step (several mini-batches, or `trainer.update_epochs` > 1
+  passes over the rollouts) it is refused.
 - `recompute`: a forward pass of every row before the updates (any number of updates per step).
 
 auto = rollout where exact, else training_forward with one update per step, else recompute. An explicit source the
@@ -17,7 +18,7 @@ policy/old_logprobs.py.
 
 from __future__ import annotations
 
-from exgrpo_megatron.config.derived import resolve_params_dtype, updates_per_step, vllm_dtype
+from exgrpo_megatron.config.derived import optimizer_updates_per_step, resolve_params_dtype, vllm_dtype
 from exgrpo_megatron.config.schema import CHOICES, RootConfig
 
 
@@ -30,10 +31,12 @@ def rollout_logprobs_exact(engine: str, engine_dtype: str, top_p: float, top_k: 
     return engine == "vllm" and engine_dtype == "float32" and top_p == 1.0 and top_k <= 0
 
 
-def resolve_old_logprobs(mode: str, rollout_exact: bool, updates: int, why_inexact: str = "") -> str:
+def resolve_old_logprobs(mode: str, rollout_exact: bool, updates: int, why_inexact: str = "",
+                         update_epochs: int = 1) -> str:
     """algo.old_logprobs -> 'rollout' | 'training_forward' | 'recompute' (module docstring). `rollout_exact`: the
     generation log-probs are pi_old (`rollout_logprobs_exact`, and not generated ahead); `updates`: optimizer
-    updates per step. A source the run cannot honour raises ValueError naming the key."""
+    updates per step (`update_epochs` passes included). A source the run cannot honour raises ValueError naming the
+    key."""
     modes = CHOICES["algo.old_logprobs"]
     if mode not in modes:
         raise ValueError(f"algo.old_logprobs: expected one of {modes}, got {mode!r}")
@@ -42,6 +45,10 @@ def resolve_old_logprobs(mode: str, rollout_exact: bool, updates: int, why_inexa
     if mode == "rollout" and not rollout_exact:
         raise ValueError(f"algo.old_logprobs: 'rollout' needs exact generation log-probs; {why_inexact} does not give "
                          "them; use auto, training_forward or recompute")
+    if mode == "training_forward" and update_epochs > 1:
+        raise ValueError(f"trainer.update_epochs: {update_epochs} passes over the step's rollouts need pi_old fixed "
+                         "before the first update, and algo.old_logprobs='training_forward' takes it from the one "
+                         "update's forward; use algo.old_logprobs=auto or recompute, or trainer.update_epochs=1")
     if mode == "training_forward" and updates != 1:
         raise ValueError(f"algo.old_logprobs: 'training_forward' needs one optimizer update per step; {updates} "
                          "updates (trainer.train_batch_size / ppo_mini_batch_size) run the later ones on changed "
@@ -53,11 +60,11 @@ def resolve_old_logprobs_for(cfg: RootConfig) -> str:
     """`resolve_old_logprobs` for a run's config: the megatron engine's dtype is the policy's, the vLLM engine's is
     `rollout.vllm.dtype` as the engine factory resolves it (auto = the policy's parameter dtype); generated ahead
     (`rollout.max_staleness` > 0), the generation log-probs are older weights' and never pi_old."""
-    r, updates = cfg.rollout, updates_per_step(cfg.trainer)
+    r, updates, epochs = cfg.rollout, optimizer_updates_per_step(cfg.trainer), cfg.trainer.update_epochs
     if r.max_staleness > 0:
         why = f"rollout.max_staleness={r.max_staleness} (the engine's weights are older)"
-        return resolve_old_logprobs(cfg.algo.old_logprobs, False, updates, why)
+        return resolve_old_logprobs(cfg.algo.old_logprobs, False, updates, why, epochs)
     dtype = vllm_dtype(r.vllm.dtype if r.engine == "vllm" else "auto", resolve_params_dtype(cfg.model))
     why = f"the {r.engine} engine ({dtype}, top_p={r.top_p}, top_k={r.top_k})"
     return resolve_old_logprobs(cfg.algo.old_logprobs, rollout_logprobs_exact(r.engine, dtype, r.top_p, r.top_k),
-                                updates, why)
+                                updates, why, epochs)

@@ -188,6 +188,7 @@ class TrainerConfig:
     total_steps: int = 701
     train_batch_size: int = 128  # prompts per step (B)
     ppo_mini_batch_size: int = 64  # prompts per optimizer update (paper: 2 updates per step)
+    update_epochs: int = 1  # passes over the step's rollouts, each in the same mini-batch updates (verl's ppo_epochs)
     micro_batch_max_tokens: int = 32768  # token budget of one micro-batch on one rank
     sequence_packing: bool = True  # pack rows into one [1, tokens] sequence (THD) instead of right-padding
     fused_output_logprobs: bool = True  # output layer fused into the chunked log-prob/entropy (no [T, V] logits)
@@ -196,6 +197,7 @@ class TrainerConfig:
     val_n: int = 1  # avg@k on the validation set
     sft_warm_start_steps: int = 0  # synthetic task only: supervised warm-start steps before RL (cached)
     sft_warm_start_lr: float = 1e-3
+    sft_warm_start_examples: int = 0  # warm-start corpus size; 0 = data.num_train_examples (policy/warm_start.py)
     sft_cache_dir: str = ".cache/sft_warm_start"
 
 
@@ -313,6 +315,8 @@ RESUME_REFUSED: dict[str, str] = {
     "experience.max_trajectories_per_question": "the cap the saved pool was filled under",
     "trainer.train_batch_size": _BATCH,
     "trainer.ppo_mini_batch_size": _BATCH,
+    "trainer.update_epochs": "the optimizer updates per step: the LR schedule's progress (counted in updates) would "
+                             "no longer match the step count",
     "seed": "the prompt order and every step's sampling seed derive from it",
     "data.source": _DATA, "data.train_files": _DATA, "data.prompt_key": _DATA, "data.answer_key": _DATA,
     "data.template": _DATA, "data.tokenizer": _DATA, "data.max_prompt_length": _DATA, "data.shuffle": _DATA,

@@ -294,7 +294,9 @@ def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
         f"({t.train_batch_size // dp} prompts / {sequences // dp} sequences per DP replica)",
         f"  tokens per step <= {sequences * seq_len:,} ({sequences} x (prompt {d.max_prompt_length} + "
         f"response {d.max_response_length}))",
-        f"  optimizer updates per step: {updates} ({t.train_batch_size} / ppo_mini_batch_size {t.ppo_mini_batch_size});"
+        f"  optimizer updates per step: {updates * t.update_epochs} ({t.train_batch_size} / ppo_mini_batch_size "
+        f"{t.ppo_mini_batch_size}" + (f", x {t.update_epochs} passes (trainer.update_epochs)" if t.update_epochs > 1
+                                      else "") + ");"
         f" per update and DP rank {seqs_per_update_rank} sequences in >= "
         f"{math.ceil(seqs_per_update_rank / seqs_per_micro)} micro-batch(es) of <= {t.micro_batch_max_tokens} tokens",
     ]

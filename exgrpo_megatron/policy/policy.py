@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.config.derived import updates_per_step
+from exgrpo_megatron.config.derived import optimizer_updates_per_step
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.lockstep import Lockstep
 from exgrpo_megatron.distributed.threads import torch_threads, train_threads_from_env
@@ -106,7 +106,7 @@ class Policy:
             ),
             self.chunks,
         )
-        decay_steps = max(1, cfg.trainer.total_steps * updates_per_step(cfg.trainer))
+        decay_steps = max(1, cfg.trainer.total_steps * optimizer_updates_per_step(cfg.trainer))
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
             lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay_steps,

@@ -39,12 +39,18 @@ from exgrpo_megatron.policy.policy import LossFn, Policy
 SFT_BATCH = 64
 
 
+def warm_start_corpus_size(cfg: RootConfig) -> int:
+    """Supervised examples the warm start draws from: `trainer.sft_warm_start_examples`, 0 = the training set's size
+    (a preset with a small training set keeps the warm start of a larger one by naming that one's size)."""
+    return cfg.trainer.sft_warm_start_examples or cfg.data.num_train_examples
+
+
 def cache_key(cfg: RootConfig) -> str:
     """Digest of everything that determines the warm-start weights, the task's definition included
     (a changed tier in data/synthetic.py must not reuse weights trained on the old task)."""
     parts = {"model": asdict(cfg.model), "steps": cfg.trainer.sft_warm_start_steps,
              "lr": cfg.trainer.sft_warm_start_lr, "seed": cfg.seed, "template": cfg.data.template,
-             "n": cfg.data.num_train_examples, "batch": SFT_BATCH,
+             "n": warm_start_corpus_size(cfg), "batch": SFT_BATCH,
              "task": task_fingerprint(tuple(cfg.data.arithmetic_tiers))}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -71,7 +77,7 @@ def train_warm_start(cfg: RootConfig, tokenizer: Tokenizer, out_dir: Path) -> No
                                          lr_warmup_steps=0),
                       lora=replace(cfg.lora, rank=0))  # the base model is trained in full; LoRA starts from it
     policy = Policy(sft_cfg)
-    pairs = warm_start_examples(cfg.data.num_train_examples, cfg.seed + 1, tiers=tuple(cfg.data.arithmetic_tiers),
+    pairs = warm_start_examples(warm_start_corpus_size(cfg), cfg.seed + 1, tiers=tuple(cfg.data.arithmetic_tiers),
                                 template=cfg.data.template)
     seqs, plens = [], []
     for prompt, solution in pairs:
