@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from exgrpo_megatron.algo.registry import algorithm_notes, build_algorithm
+from exgrpo_megatron.algo.protocol import RLAlgorithm
+from exgrpo_megatron.algo.registry import algorithm_notes
 from exgrpo_megatron.config.derived import resolve_params_dtype
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.cpu_warnings import cpu_run_banner
@@ -14,7 +15,7 @@ from exgrpo_megatron.planning.dry_run import generation_line, replay_line
 PREFIX = "exgrpo-train: "
 
 
-def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
+def startup_block(cfg: RootConfig, layout: ParallelLayout, algorithm: RLAlgorithm) -> str:
     """A few lines: the CPU banner and precision (CPU only), run dir, parallel layout, steps and validation, the
     algorithm and what it replays, where the rollouts come from (in the step, or generated ahead), LoRA when on."""
     lines = []
@@ -29,8 +30,7 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
                  f"(world {layout.world_size}, {layout.device.type})")
     val = f"validation avg@{t.val_n} every {t.val_every} steps" if t.val_every else "no validation"
     lines.append(f"{t.total_steps} steps of {t.train_batch_size} prompts x {cfg.rollout.n} rollouts; {val}")
-    replays = build_algorithm(cfg.algo, t, cfg.data.max_response_length).uses_pool
-    lines += [f"algorithm {cfg.algo.name}; {replay_line(cfg, replays)}",
+    lines += [f"algorithm {cfg.algo.name}; {replay_line(cfg, algorithm.uses_pool)}",
               *(f"note: {note}" for note in algorithm_notes(cfg.algo)), generation_line(cfg)]
     lo = cfg.lora
     if lo.rank > 0:
