@@ -168,6 +168,7 @@ def _numerics_arm(dtype: str, rollouts: str, smoke: bool) -> dict:
     """One ExGRPO update of the demo model on this process's device (CUDA_VISIBLE_DEVICES decides)."""
     import torch
 
+    from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.components import build_components
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.distributed.runtime import destroy_distributed, init_distributed
@@ -182,7 +183,7 @@ def _numerics_arm(dtype: str, rollouts: str, smoke: bool) -> dict:
     overrides += ["data.max_response_length=16"] if smoke else []
     cfg = load_config("demo_cpu", overrides)
     layout = init_distributed(seed=cfg.seed)
-    c = build_components(cfg, layout)
+    c = build_components(cfg, layout, build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length))
     try:
         if not os.path.exists(rollouts):  # the first arm (CPU, fp32) generates; every arm trains on the same
             groups = plan_step(c, 1, Phase.WARMUP)

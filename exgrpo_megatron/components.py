@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exgrpo_megatron.algo.protocol import RLAlgorithm
-from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.derived import updates_per_step
 from exgrpo_megatron.config.pi_old_source import resolve_old_logprobs_for
 from exgrpo_megatron.config.schema import ExperienceConfig, RootConfig
@@ -131,7 +130,9 @@ def build_pool(settings: ExperienceConfig, group_size: int, dp_group: Any = None
     return ShardedExperiencePool(group_size, settings, dp_group=dp_group)
 
 
-def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
+def build_components(cfg: RootConfig, layout: ParallelLayout, algorithm: RLAlgorithm) -> Components:
+    """The run's parts for `algorithm`, built once by the caller (registry.build_algorithm) and shared with the
+    start-up block."""
     from megatron.core import parallel_state as ps
 
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.hf_path)
@@ -140,7 +141,6 @@ def build_components(cfg: RootConfig, layout: ParallelLayout) -> Components:
                            f"vocabulary ({tokenizer.vocab_size})"])
     train, val = build_datasets(cfg, tokenizer)
     dp_group = ps.get_data_parallel_group_gloo() if layout.dp_size > 1 else None
-    algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     pool = build_pool(cfg.experience, cfg.rollout.n, dp_group) if algorithm.uses_pool else None
     schedule = ExperienceSchedule(cfg.experience.delayed_start_pass_rate if pool is not None else 0.0,
                                   enabled=pool is not None)

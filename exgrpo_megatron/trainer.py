@@ -22,6 +22,7 @@ from exgrpo_megatron.ahead.schedule import AheadGeneration
 from exgrpo_megatron.ahead.watch import EXIT_GENERATOR_FAILED, GeneratorFailed, PreemptedWhileWaiting
 from exgrpo_megatron.algo.loss import global_loss_counts
 from exgrpo_megatron.algo.protocol import GradedResponse, RLAlgorithm
+from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.components import Components, build_components
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import QuestionGroup, compose_step, local_groups
@@ -298,9 +299,10 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
                               expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                               collective_timeout_s=p.collective_timeout_s, collective_ledger=p.collective_ledger)
     watching.distributed(layout)
+    algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     if layout.rank == 0:
-        print(startup_block(cfg, layout), flush=True)
-    c = build_components(cfg, layout)
+        print(startup_block(cfg, layout, algorithm), flush=True)
+    c = build_components(cfg, layout, algorithm)
     c.observers = watching
     c.policy.pass_observers.append(c.observers.policy_pass)
     try:

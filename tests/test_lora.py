@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.config.schema import LoraConfig
+from exgrpo_megatron.config.schema import LoraConfig, RootConfig
 from exgrpo_megatron.config.validate import all_errors
 from exgrpo_megatron.model.param_layout import TPSplit, is_adapter, tp_shard, tp_split_of_param
 from tests.helpers.gather import full_tensors, load_full_tensors
@@ -252,15 +252,19 @@ def test_vllm_with_lora_is_a_valid_config():
 
 
 def test_startup_block_names_the_adapters_only_when_on():
+    from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.distributed.runtime import ParallelLayout
     from exgrpo_megatron.logging.startup import startup_block
 
+    def block(cfg: RootConfig) -> str:
+        return startup_block(cfg, layout, build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length))
+
     layout = ParallelLayout(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1,
                             device=torch.device("cpu"))
-    on = startup_block(load_config("demo_cpu", [*LORA, "lora.targets=[linear_qkv]"]), layout).splitlines()
+    on = block(load_config("demo_cpu", [*LORA, "lora.targets=[linear_qkv]"])).splitlines()
     assert on[-1] == ("exgrpo-train: LoRA rank 4, alpha 16 on linear_qkv: the base weights are frozen, only the "
                       "adapters train")
-    assert "LoRA" not in startup_block(load_config("demo_cpu", []), layout)
+    assert "LoRA" not in block(load_config("demo_cpu", []))
 
 
 def _dropout_cases(p: float) -> dict:

@@ -56,13 +56,16 @@ def test_demo_entry_starts_with_the_startup_block_and_no_known_warning(tmp_path)
 def test_startup_block_says_which_algorithm_runs_and_whether_generation_runs_ahead(overrides, algorithm, rollouts):
     import torch
 
+    from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.distributed.runtime import ParallelLayout
     from exgrpo_megatron.logging.startup import startup_block
 
     layout = ParallelLayout(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1,
                             device=torch.device("cpu"))
-    block = startup_block(load_config("demo_cpu", overrides), layout).splitlines()
+    cfg = load_config("demo_cpu", overrides)
+    built = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    block = startup_block(cfg, layout, built).splitlines()
     lines = [line for line in block if not line.startswith("exgrpo-train: note: ")]
     assert lines[-2].startswith(f"exgrpo-train: {algorithm}") and rollouts in lines[-1], lines
     notes = [line for line in block if line.startswith("exgrpo-train: note: ")]  # the demo preset's entropy reference

@@ -32,12 +32,13 @@ import numpy as np
 
 
 def _setup(cfg):
+    from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.components import build_components
     from exgrpo_megatron.distributed.runtime import init_distributed
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     layout = init_distributed(seed=cfg.seed)
-    return build_components(cfg, layout)
+    return build_components(cfg, layout, build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length))
 
 
 def correct_counts(c, dataset, qids: list[int], k: int, temperature: float, seed: int) -> list[int]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from exgrpo_megatron.algo.registry import algorithm_notes, build_algorithm
+from exgrpo_megatron.algo.protocol import RLAlgorithm
+from exgrpo_megatron.algo.registry import algorithm_notes
 from exgrpo_megatron.config.derived import resolve_params_dtype
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.cpu_warnings import cpu_run_banner
@@ -15,7 +16,7 @@ from exgrpo_megatron.planning.dry_run import generation_line, replay_line
 PREFIX = "exgrpo-train: "
 
 
-def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
+def startup_block(cfg: RootConfig, layout: ParallelLayout, algorithm: RLAlgorithm) -> str:
     """A few lines: the CPU banner and precision (CPU only), run dir, parallel layout, steps and validation, the
     algorithm and what it replays, where the rollouts come from (in the step, or generated ahead), LoRA when on."""
     lines = []
@@ -30,7 +31,6 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout) -> str:
                  f"(world {layout.world_size}, {layout.device.type})")
     val = f"validation avg@{t.val_n} every {t.val_every} steps" if t.val_every else "no validation"
     lines.append(f"{t.total_steps} steps of {t.train_batch_size} prompts x {cfg.rollout.n} rollouts; {val}")
-    algorithm = build_algorithm(cfg.algo, t, cfg.data.max_response_length)
     rule = algorithm.response_replay(cfg.experience)
     replay = replay_line(cfg, algorithm.uses_pool) if rule is None else response_replay_line(cfg, rule)
     lines += [f"algorithm {cfg.algo.name}; {replay}",
