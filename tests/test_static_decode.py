@@ -118,7 +118,7 @@ def compile_checks() -> dict:
     """The compiled step: fullgraph, once per bucket, no recompilation across calls, steps and buckets."""
     import torch._dynamo
 
-    from exgrpo_megatron.rollout.cuda_graph_step import continuous_settings
+    from exgrpo_megatron.rollout.decode_loop import continuous_settings
 
     model = _build(1, 1)
     out: dict = {}

@@ -242,7 +242,7 @@ def vllm_config_errors(cfg: RootConfig) -> list[str]:
 
 
 def decode_loop_errors(cfg: RootConfig) -> list[str]:
-    """The megatron engine's continuous loop (rollout/cuda_graph_step.py): its switches, and the layouts it runs."""
+    """The megatron engine's continuous loop (rollout/decode_loop.py): its switches, and the layouts it runs."""
     import torch
 
     r, p, e = cfg.rollout, cfg.parallel, list[str]()

@@ -1,17 +1,9 @@
-"""Which decode loop and step the megatron engine runs, and the CUDA-graph capture of the static step.
-
-`continuous_settings` resolves the engine's switches (config keys rollout.decode_loop, rollout.compile_decode,
-rollout.cuda_graphs):
-* decode_loop: "chunked" (length-sorted chunks, rows dropped as they finish: the default), "continuous"
-  (rollout/continuous.py; refused with the reason for a model the static step does not run) or "auto"
-  (continuous on CUDA where the model allows it, else chunked);
-* the step of the continuous loop: "cuda_graph" when cuda_graphs is "true", or "auto" on CUDA; else "compile"
-  when compile_decode; else "eager". cuda_graphs "true" off CUDA is refused.
+"""The CUDA-graph capture of the static decode step (rollout/static_decode.py; selected by rollout/decode_loop.py).
 
 `capture_step` follows torch.cuda.graphs' documented recipe: warm-up runs on a side stream, one capture under
-`torch.cuda.graph`, then `CUDAGraph.replay` per step. The step reads and writes only the preallocated `DecodeSlots`
+`torch.cuda.graph`, then `CUDAGraph.replay` per step. The step reads and writes only the preallocated decode slots'
 buffers (static addresses), so a replay is the whole step with no Python and no host synchronisation. The warm-up
-runs execute the step for real, so the rows of the captured bucket are saved before and restored after.
+runs execute the step for real, so the captured bucket's rows are saved before and restored after.
 """
 
 from __future__ import annotations
@@ -20,37 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from exgrpo_megatron.rollout.static_decode import DecodeSlots, static_unsupported_reason
-
-DECODE_LOOPS = ("auto", "chunked", "continuous")
-CUDA_GRAPH_CHOICES = ("auto", "true", "false")
 WARMUP_RUNS = 2
 
 
-def continuous_settings(model, decode_loop: str, compile_decode: bool, cuda_graphs: str,
-                        decode_impl: str) -> str | None:
-    """The continuous loop's step mode ("eager", "compile", "cuda_graph"), or None for the chunked loop."""
-    if decode_loop not in DECODE_LOOPS:
-        raise ValueError(f"decode_loop must be one of {DECODE_LOOPS}, got {decode_loop!r}")
-    if str(cuda_graphs).lower() not in CUDA_GRAPH_CHOICES:
-        raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_CHOICES}, got {cuda_graphs!r}")
-    graphs = str(cuda_graphs).lower()
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    if graphs == "true" and not on_cuda:
-        raise ValueError("cuda_graphs=true needs the model on a CUDA device")
-    why = "decode_impl='megatron'" if decode_impl == "megatron" else static_unsupported_reason(model)
-    if decode_loop == "continuous" and why is not None:
-        raise ValueError(f"decode_loop='continuous' does not support this model: {why}")
-    if decode_loop == "chunked" or (decode_loop == "auto" and (why is not None or not on_cuda)):
-        return None
-    if graphs == "true" or (graphs == "auto" and on_cuda):
-        return "cuda_graph"
-    return "compile" if compile_decode else "eager"
-
-
-def capture_step(step: Callable[[], None], slots: DecodeSlots, bucket: int) -> Callable[[], None]:
-    """Capture `step` (one decode step over rows 0..bucket-1 of `slots`) as a CUDA graph; return its replay."""
-    saved = [t[:bucket].clone() for t in slots.row_tensors()]
+def capture_step(step: Callable[[], None], rows: list[torch.Tensor], bucket: int) -> Callable[[], None]:
+    """Capture `step` (one decode step over rows 0..bucket-1 of the slots whose per-row buffers are `rows`) as a CUDA
+    graph; return its replay."""
+    saved = [t[:bucket].clone() for t in rows]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -60,6 +28,6 @@ def capture_step(step: Callable[[], None], slots: DecodeSlots, bucket: int) -> C
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for t, kept in zip(slots.row_tensors(), saved, strict=True):
+    for t, kept in zip(rows, saved, strict=True):
         t[:bucket].copy_(kept)
     return graph.replay

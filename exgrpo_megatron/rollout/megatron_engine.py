@@ -58,7 +58,7 @@ from exgrpo_megatron.distributed.lockstep import Lockstep
 from exgrpo_megatron.model.moe import expert_parallel_group
 from exgrpo_megatron.model.routing_replay import recording, router_choices
 from exgrpo_megatron.rollout.continuous import ContinuousDecoder
-from exgrpo_megatron.rollout.cuda_graph_step import continuous_settings
+from exgrpo_megatron.rollout.decode_loop import continuous_settings
 from exgrpo_megatron.rollout.kv_decode import KVCacheStage, StaticContextStage, profile_range, unsupported_reason
 from exgrpo_megatron.rollout.sampling import (
     find_stop_string,
@@ -125,7 +125,7 @@ class MegatronRolloutEngine:
     `decode_impl`: "kv_cache" (rollout/kv_decode.py, the default when the model supports it),
     "megatron" (GPTModel.forward over StaticInferenceContext) or "auto"; `last_stats["kv_cache"]`
     says which ran. `decode_loop`, `compile_decode`, `cuda_graphs`, `stop_check_every`, `max_model_len`: the
-    continuous loop (docstring, 7.; `cuda_graph_step.continuous_settings` resolves "auto").
+    continuous loop (docstring, 7.; `decode_loop.continuous_settings` resolves "auto").
     """
 
     def __init__(

@@ -237,7 +237,7 @@ class DecodeStep:
         if self.mode == "cuda_graph":
             from exgrpo_megatron.rollout.cuda_graph_step import capture_step
 
-            return capture_step(self.step_function(slots, bucket, const), slots, bucket)
+            return capture_step(self.step_function(slots, bucket, const), slots.row_tensors(), bucket)
         cos_table, sin_table = self.rope_tables(slots.max_len)
         fn = self._step.__func__  # type: ignore[attr-defined]
         copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, f"decode_step_b{bucket}", fn.__defaults__,
