@@ -145,3 +145,13 @@ def test_a_resume_announces_an_allowed_model_change():
     lines = check_resume_config(to_yaml(saved), now, "ckpt")
     assert lines == ["model.rope_theta: 1000000.0 -> 10000.0 (allowed by checkpoint.allow_model_changes: the saved "
                      "weights compute another function)"]
+
+
+def test_float_fields_compare_at_fp32():
+    """A converter reading fp32 files records the norm's epsilon as 9.9999997e-06: the model's 1e-05, accepted; a
+    value that differs at fp32 is still refused (fails if the comparison is exact, or loose beyond fp32)."""
+    saved = model_config_to_yaml(dataclasses.replace(MOE, rms_norm_eps=9.9999997e-06))
+    check_model_compatible(saved, dataclasses.replace(MOE, rms_norm_eps=1e-05), "ckpt")
+    with pytest.raises(IncompatibleCheckpointError, match="model.rms_norm_eps: checkpoint 1e-05, config 1.0001e-05"):
+        check_model_compatible(model_config_to_yaml(dataclasses.replace(MOE, rms_norm_eps=1e-05)),
+                               dataclasses.replace(MOE, rms_norm_eps=1.0001e-05), "ckpt")

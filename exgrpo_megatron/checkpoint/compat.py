@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import yaml
 
 from exgrpo_megatron.config.model_function import ALLOW_KEY, MOE_ONLY_FIELDS, SHAPE_FIELDS, compared_view
@@ -46,12 +47,23 @@ def parse_model_config_yaml(text: str) -> dict[str, Any]:
     return data
 
 
+def same_value(saved: Any, current: Any) -> bool:
+    """Equal as the model uses them: floats (RoPE theta, the norm's epsilon) at fp32, the precision a float field is
+    written at by a converter reading fp32 files (a GGUF's 9.9999997e-06 is the fp32 value of 1e-05)."""
+    numbers = (int, float)
+    if isinstance(saved, numbers) and isinstance(current, numbers) and not isinstance(saved, bool) \
+            and not isinstance(current, bool):
+        return bool(np.float32(saved) == np.float32(current))
+    return bool(saved == current)
+
+
 def model_differences(saved: dict[str, Any], current: ModelConfig) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
     """({field: (checkpoint value, config value)} of every compared field that differs, [the fields the checkpoint
     does not record although the config's model reads them])."""
     saved = {"num_experts": 0, **saved}  # one written before mixtures of experts existed holds a dense model
     saved_view, current_view = compared_view(saved), compared_view(dataclasses.asdict(current))
-    differences = {k: (saved_view[k], v) for k, v in current_view.items() if k in saved_view and saved_view[k] != v}
+    differences = {k: (saved_view[k], v) for k, v in current_view.items()
+                   if k in saved_view and not same_value(saved_view[k], v)}
     saved_dense = not saved["num_experts"]  # then num_experts differs: that is the refusal
     unrecorded = [k for k in current_view if k not in saved_view and not (k in MOE_ONLY_FIELDS and saved_dense)]
     return differences, unrecorded
