@@ -126,15 +126,17 @@ def optimizer_bytes_per_element(m: ModelConfig) -> int:
 
 
 def state_bytes(cfg: RootConfig, state: RankState) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer state) bytes of one rank's elements."""
+    """(weights, gradients, optimizer state) bytes of one rank's elements (LoRA's frozen base: weights only)."""
     total = state.total
-    weights = (total.buffer if cfg.parallel.use_distributed_optimizer else total.params) * param_bytes(cfg.model)
+    distributed = cfg.parallel.use_distributed_optimizer
+    weights = (total.buffer + total.frozen if distributed else total.params) * param_bytes(cfg.model)
     return weights, total.buffer * GRAD_BYTES, total.master * optimizer_bytes_per_element(cfg.model)
 
 
 def most_loaded_rank(cfg: RootConfig, world_size: int) -> RankState:
     """The rank whose weights + gradients + optimizer state are largest (the first of equals)."""
-    return max(every_rank_state(cfg.model, cfg.parallel, world_size), key=lambda st: sum(state_bytes(cfg, st)))
+    return max(every_rank_state(cfg.model, cfg.parallel, world_size, cfg.lora),
+               key=lambda st: sum(state_bytes(cfg, st)))
 
 
 def estimate_memory(cfg: RootConfig, world_size: int) -> MemoryEstimate:
@@ -240,6 +242,7 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
         f" (without recompute {_gib(est.activations_no_recompute).strip()}, with full recompute "
         f"{_gib(est.activations_full_recompute).strip()}; includes logits + grad)",
     ]
+    lines += _lora_lines(cfg, est)
     dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
     if r.engine == "vllm":
         seqs = cfg.trainer.train_batch_size * r.n // dp
@@ -278,6 +281,35 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
                             f"{GPU_MEMORY_GIB:.0f} GiB per GPU by {(value - GPU_MEMORY_GIB * GIB) / GIB:.1f} GiB "
                             f"({listed} GiB)")
     return lines, warnings
+
+
+def _lora_lines(cfg: RootConfig, est: MemoryEstimate) -> list[str]:
+    """LoRA: the frozen base (weights only) and the adapters (weights, gradients, optimizer state) apart."""
+    lo, st, nbytes = cfg.lora, est.state.total, param_bytes(cfg.model)
+    if lo.rank <= 0:
+        return []
+    base = st.frozen * nbytes
+    adapters = est.train_state - base
+    return [f"  LoRA rank {lo.rank} on {', '.join(lo.targets)}{' (experts too)' if lo.experts else ''}: "
+            f"base {st.frozen:,} parameters frozen, {_gib(base).strip()} (weights only: no gradient, master or Adam)",
+            f"    adapters {st.trainable:,} parameters trained, {_gib(adapters).strip()} "
+            "(weights + gradients + optimizer state)"]
+
+
+def fewest_gpus_that_fit(cfg: RootConfig, up_to: int = 256) -> int | None:
+    """The smallest world size (a multiple of the layout's model-parallel and expert-parallel sizes, the batch
+    divisible over its DP ranks) whose training and generation estimates fit one GPU; None up to `up_to`."""
+    p = cfg.parallel
+    dense, pp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size, \
+        p.pipeline_model_parallel_size
+    step = math.lcm(dense, pp * p.expert_model_parallel_size * p.expert_tensor_parallel_size)
+    for world in range(step, up_to + 1, step):
+        if cfg.trainer.ppo_mini_batch_size % (world // dense):
+            continue
+        est = estimate_memory(cfg, world)
+        if max(est.train_peak, est.generation_peak) <= GPU_MEMORY_GIB * GIB:
+            return world
+    return None
 
 
 def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
@@ -349,5 +381,7 @@ def dry_run_report(cfg: RootConfig, world_size: int, replays: bool, phase_times:
         _step_lines(cfg, world_size, replays),
         _generation_lines(cfg, world_size, phase_times or DEFAULT_PHASE_TIMES),
         warnings or ["memory: every estimate fits in one GPU"],
+        [f"memory: at this layout the estimates fit from {fewest} GPUs" if (fewest := fewest_gpus_that_fit(cfg))
+         else "memory: at this layout no world size up to 256 GPUs fits"],
     ]
     return "\n".join(line for section in sections for line in section)
