@@ -160,10 +160,11 @@ def test_dry_run_cli_subprocess_exit_code() -> None:
     assert result.returncode == 2 and "DP size 3" in result.stderr
 
 
-@pytest.mark.parametrize("preset, world", [("exgrpo_qwen3_8b_lora", 4), ("exgrpo_qwen3_30b_a3b_lora", 8)])
-def test_lora_presets_fit_where_full_fine_tuning_does_not(preset: str, world: int, capsys, preset_paths) -> None:
-    """The LoRA presets fit at their GPU count with only the adapters' gradients and optimizer state; their full
-    fine-tuning parents (the same layout, lora.rank=0) do not fit there."""
+@pytest.mark.parametrize("preset, world, fewest", [("exgrpo_qwen3_8b_lora", 4, 2), ("exgrpo_qwen3_30b_a3b_lora", 8, 8)])
+def test_lora_presets_fit_where_full_fine_tuning_does_not(preset: str, world: int, fewest: int, capsys,
+                                                          preset_paths) -> None:
+    """The LoRA presets fit at their GPU count with only the adapters' gradients and optimizer state (from `fewest`
+    GPUs at their layout); their full fine-tuning parents (the same layout, lora.rank=0) do not fit there."""
     assert train_main(["--config-name", preset, "--dry-run", "--world-size", str(world), *preset_paths]) == 0
     out = capsys.readouterr().out
     assert "WARNING" not in out and "memory: every estimate fits in one GPU" in out, out
@@ -173,5 +174,6 @@ def test_lora_presets_fit_where_full_fine_tuning_does_not(preset: str, world: in
     assert est.grads == est.state.total.buffer * 4 < 0.05 * est.state.total.params * 4
     assert f"base {est.state.total.frozen:,} parameters frozen" in out
     assert f"adapters {est.state.total.trainable:,} parameters trained" in out
+    assert f"memory: at this layout the estimates fit from {fewest} GPUs" in out
     full = estimate_memory(load_config(preset, ["lora.rank=0"]), world)
     assert max(full.train_peak, full.generation_peak) > 80 * GIB

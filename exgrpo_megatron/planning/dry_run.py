@@ -14,6 +14,8 @@ with flash attention and no dropout):
   as bf16 (the GPU target), the padded parameter buffer with the distributed optimizer; gradients: the DDP
   buffers x 4 B (fp32 main grads); optimizer: the rank's fp32 master elements x (4 B fp32 master copy, bf16 only,
   + 8 B Adam m, v);
+* LoRA (`lora.rank` > 0): the frozen base is weights only; gradients and optimizer state are the adapters' (their
+  buffers and shards, planning/sharding.py); the report shows base and adapters apart;
 * activations of one micro-batch of `T = micro_batch_max_tokens / CP` tokens per rank, with `PP`
   micro-batches in flight on the first stage (1F1B): without recompute
   `T x L/PP x (4h/(TP if SP) + (2q + 2kv + 3f)/TP) x 2 B`, with QK-norm `(3q + 3kv + 3f)/TP` (the norms also
@@ -30,7 +32,8 @@ the report also shows the training peak without sleep (training peak + the share
 platform without sleep mode needs.
 
 When a phase's estimate exceeds the 80 GiB of an H100 80GB the report ends with a WARNING line naming the
-estimate, its size and by how much it is over, with its parts; otherwise with "every estimate fits".
+estimate, its size and by how much it is over, with its parts; otherwise with "every estimate fits"; then the
+fewest GPUs at the same TP/PP/CP/EP layout whose estimates fit (`fewest_gpus_that_fit`).
 
 Generating ahead (planning/generation_split.py): with rollout.max_staleness > 0 `world_size` counts the training
 ranks and the plan is for N = world_size + 1 GPUs (the generator's GPU added); otherwise one hint line for
@@ -233,7 +236,8 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
         f"per-GPU memory estimate (GPU target, {GPU_MEMORY_GIB:.0f} GiB; params_dtype={m.params_dtype} -> {dtype}; "
         f"most loaded rank {st.rank}, PP stage {st.pp_rank}; planning/sharding.py):",
         f"  weights          {_gib(est.weights)}   "
-        f"{'parameter buffers' if distributed else 'parameters'} x {param_bytes(m)} B",
+        f"{'parameter buffers' if distributed else 'parameters'}{' + the frozen base' if cfg.lora.rank > 0 else ''}"
+        f" x {param_bytes(m)} B",
         f"  gradients        {_gib(est.grads)}   DDP buffers: dense {st.dense.buffer:,}{expert_buffer} elements x "
         f"{GRAD_BYTES} B (fp32 main grads)",
         f"  optimizer state  {_gib(est.optimizer)}   fp32 master + Adam m, v of dense {st.dense.master:,} "
