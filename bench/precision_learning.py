@@ -45,8 +45,11 @@ ARMS: dict[str, tuple[str, ...]] = {
 }
 
 
-def run_one(arm: str, seed: int, args: argparse.Namespace, hf_dir: str, ckpt: str) -> dict:
-    """Train (resumably), export in fp32, evaluate; cached in <root>/<arm>_seed<seed>/run.json."""
+def run_one(arm: str, seed: int, args: argparse.Namespace, hf_dir: str, ckpt: str,
+            overrides: tuple[str, ...] | None = None) -> dict:
+    """Train (resumably), export in fp32, evaluate; cached in <root>/<arm>_seed<seed>/run.json. `overrides`: the
+    arm's config overrides (default ARMS[arm])."""
+    overrides = ARMS[arm] if overrides is None else overrides
     root = os.path.join(args.root, f"{arm}_seed{seed}")
     done = os.path.join(root, "run.json")
     if os.path.isfile(done):
@@ -56,13 +59,13 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, hf_dir: str, ckpt: st
     run_dir, log = os.path.join(root, "run"), os.path.join(root, "stages.log")
     run(["-m", "exgrpo_megatron.train", "--config-name", "smollm2_word_problems", f"seed={seed}",
          f"checkpoint.init_from={ckpt}", f"logging.run_dir={run_dir}", f"trainer.total_steps={args.steps}",
-         f"checkpoint.save_every={args.save_every}", "checkpoint.resume=auto", *ARMS[arm]], log)
+         f"checkpoint.save_every={args.save_every}", "checkpoint.resume=auto", *overrides], log)
     export = os.path.join(root, "hf_export")
     if not os.path.isfile(os.path.join(export, "config.json")):
         run(["tools/convert_megatron_to_hf.py", run_dir, export, "--dtype", "fp32"], log)
-    result = {"arm": arm, "seed": seed, "overrides": list(ARMS[arm]), "steps": load_steps(run_dir),
+    result = {"arm": arm, "seed": seed, "overrides": list(overrides), "steps": load_steps(run_dir),
               "eval_after": evaluate(export, hf_dir, os.path.join(root, "eval"), "megatron", sys.executable, log),
-              "weights": weight_change(export, hf_dir, "model.params_dtype=bf16" in ARMS[arm])}
+              "weights": weight_change(export, hf_dir, "model.params_dtype=bf16" in overrides)}
     with open(done, "w") as f:
         json.dump(result, f, indent=1)
     return result

@@ -2,7 +2,8 @@
 fp32 and bf16) built by the policy on gloo ranks at several layouts take one real update (unequal data per rank), and
 on every rank the planner's parameters, DDP gradient-buffer elements, fp32 master elements and Adam exp_avg +
 exp_avg_sq elements (dense and expert apart) equal the model's parameters, the DDP buffers, the optimizer's master
-parameters and its Adam state."""
+parameters and its Adam state. With LoRA the same comparison at TP/PP/DP/EP layouts: the frozen base weights are
+parameters only (no buffer place, no master, no Adam state), the adapters are the whole trainable state."""
 
 from __future__ import annotations
 
@@ -88,8 +89,9 @@ def allocated_after_one_update(overrides: list[str]) -> dict:
             assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
             adam += state["exp_avg"].numel() + state["exp_avg_sq"].numel()
     param_dtypes = {q.dtype for module in policy.modules for q in module.parameters()}
+    frozen = sum(q.numel() for module in policy.modules for q in module.parameters() if not q.requires_grad)
     return {"params": params, "buffers": buffers, "master": master, "adam": adam, "grad_dtypes": grad_dtypes,
-            "param_dtypes": param_dtypes, "rank": layout.rank}
+            "param_dtypes": param_dtypes, "frozen": frozen, "rank": layout.rank}
 
 
 LAYOUTS = [  # (ranks, overrides): experts over EP, DP, ETP, TP, PP, with and without the distributed optimizer
@@ -114,6 +116,21 @@ LAYOUTS = [  # (ranks, overrides): experts over EP, DP, ETP, TP, PP, with and wi
          "parallel.use_distributed_optimizer=true"]),
     (4, ["model=tiny_qwen3_moe", "parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=2",
          "parallel.use_distributed_optimizer=true"]),
+    *[(n, [*o, "lora.rank=4"]) for n, o in [  # LoRA: the base frozen, only the adapters in the buffers and optimizer
+        (2, ["model=tiny_qwen3", "parallel.tensor_model_parallel_size=2", "parallel.use_distributed_optimizer=true"]),
+        (2, ["model=tiny_qwen3", "model.params_dtype=bf16", "parallel.use_distributed_optimizer=true"]),
+        (2, ["model=tiny_qwen3", "lora.targets=[linear_qkv,linear_fc2]"]),
+        (2, ["model=tiny_qwen2", "model.tie_word_embeddings=true", "parallel.pipeline_model_parallel_size=2",
+             "parallel.use_distributed_optimizer=true"]),
+        (2, ["model=tiny_qwen3_moe", "parallel.expert_model_parallel_size=2", "lora.experts=true",
+             "parallel.use_distributed_optimizer=true"]),
+        (2, ["model=tiny_qwen3_moe", "parallel.expert_model_parallel_size=2",
+             "parallel.use_distributed_optimizer=true"]),
+        (2, ["model=tiny_qwen3_moe", "lora.experts=true", "parallel.use_distributed_optimizer=true"]),
+        (4, ["model=tiny_qwen3_moe", "parallel.expert_model_parallel_size=2",
+             "parallel.pipeline_model_parallel_size=2", "lora.experts=true",
+             "parallel.use_distributed_optimizer=true"]),
+    ]],
 ]
 
 
@@ -122,7 +139,7 @@ LAYOUTS = [  # (ranks, overrides): experts over EP, DP, ETP, TP, PP, with and wi
 def test_planner_counts_equal_megatron_allocation(ranks: int, overrides: list[str]) -> None:
     cfg = load_config("demo_cpu", [*BASE, *overrides])
     validate(cfg, ranks, check_paths=False)
-    planned = every_rank_state(cfg.model, cfg.parallel, ranks)
+    planned = every_rank_state(cfg.model, cfg.parallel, ranks, cfg.lora)
     got = run_on_ranks(allocated_after_one_update, ranks, args=(overrides,))
     for plan, real in zip(planned, got, strict=True):
         where = f"rank {real['rank']} of {ranks} ({' '.join(overrides)})"
@@ -130,7 +147,8 @@ def test_planner_counts_equal_megatron_allocation(ranks: int, overrides: list[st
         assert {q.itemsize for q in real["param_dtypes"]} == {param_bytes(cfg.model)}, where
         assert real["params"] == {"dense": plan.dense.params, "expert": plan.expert.params}, where
         assert real["buffers"] == {"dense": plan.dense.buffer, "expert": plan.expert.buffer}, where
-        assert real["master"] == [g.master for g in (plan.dense, plan.expert) if g.params], where
+        assert real["frozen"] == plan.total.frozen, where
+        assert real["master"] == [g.master for g in (plan.dense, plan.expert) if g.trainable], where
         assert real["adam"] == plan.adam, where
 
 

@@ -19,7 +19,7 @@ from exgrpo_megatron.train import main as train_main
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (REPO / "conf").glob("*.yaml"))
 GIB = 1024**3
-PLANNED_WORLD = {"exgrpo_qwen3_30b_a3b": 16}  # GPU presets planned for more than one node of 8
+PLANNED_WORLD = {"exgrpo_qwen3_30b_a3b": 16, "exgrpo_qwen3_8b_lora": 4}  # GPU presets planned for other than 8
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -158,3 +158,22 @@ def test_dry_run_cli_subprocess_exit_code() -> None:
     result = subprocess.run([sys.executable, "-m", "exgrpo_megatron.train", "--config-name", "exgrpo_7b",
                              "--dry-run", "--world-size", "6"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 2 and "DP size 3" in result.stderr
+
+
+@pytest.mark.parametrize("preset, world, fewest", [("exgrpo_qwen3_8b_lora", 4, 2), ("exgrpo_qwen3_30b_a3b_lora", 8, 8)])
+def test_lora_presets_fit_where_full_fine_tuning_does_not(preset: str, world: int, fewest: int, capsys,
+                                                          preset_paths) -> None:
+    """The LoRA presets fit at their GPU count with only the adapters' gradients and optimizer state (from `fewest`
+    GPUs at their layout); their full fine-tuning parents (the same layout, lora.rank=0) do not fit there."""
+    assert train_main(["--config-name", preset, "--dry-run", "--world-size", str(world), *preset_paths]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING" not in out and "memory: every estimate fits in one GPU" in out, out
+    cfg = load_config(preset)
+    est = estimate_memory(cfg, world)
+    assert est.state.total.frozen == est.state.total.params - est.state.total.trainable > 0.95 * est.state.total.params
+    assert est.grads == est.state.total.buffer * 4 < 0.05 * est.state.total.params * 4
+    assert f"base {est.state.total.frozen:,} parameters frozen" in out
+    assert f"adapters {est.state.total.trainable:,} parameters trained" in out
+    assert f"memory: at this layout the estimates fit from {fewest} GPUs" in out
+    full = estimate_memory(load_config(preset, ["lora.rank=0"]), world)
+    assert max(full.train_peak, full.generation_peak) > 80 * GIB

@@ -14,6 +14,8 @@ with flash attention and no dropout):
   as bf16 (the GPU target), the padded parameter buffer with the distributed optimizer; gradients: the DDP
   buffers x 4 B (fp32 main grads); optimizer: the rank's fp32 master elements x (4 B fp32 master copy, bf16 only,
   + 8 B Adam m, v);
+* LoRA (`lora.rank` > 0): the frozen base is weights only; gradients and optimizer state are the adapters' (their
+  buffers and shards, planning/sharding.py); the report shows base and adapters apart;
 * activations of one micro-batch of `T = micro_batch_max_tokens / CP` tokens per rank, with `PP`
   micro-batches in flight on the first stage (1F1B): without recompute
   `T x L/PP x (4h/(TP if SP) + (2q + 2kv + 3f)/TP) x 2 B`, with QK-norm `(3q + 3kv + 3f)/TP` (the norms also
@@ -30,7 +32,8 @@ the report also shows the training peak without sleep (training peak + the share
 platform without sleep mode needs.
 
 When a phase's estimate exceeds the 80 GiB of an H100 80GB the report ends with a WARNING line naming the
-estimate, its size and by how much it is over, with its parts; otherwise with "every estimate fits".
+estimate, its size and by how much it is over, with its parts; otherwise with "every estimate fits"; then the
+fewest GPUs at the same TP/PP/CP/EP layout whose estimates fit (`fewest_gpus_that_fit`).
 
 Generating ahead (planning/generation_split.py): with rollout.max_staleness > 0 `world_size` counts the training
 ranks and the plan is for N = world_size + 1 GPUs (the generator's GPU added); otherwise one hint line for
@@ -126,15 +129,17 @@ def optimizer_bytes_per_element(m: ModelConfig) -> int:
 
 
 def state_bytes(cfg: RootConfig, state: RankState) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer state) bytes of one rank's elements."""
+    """(weights, gradients, optimizer state) bytes of one rank's elements (LoRA's frozen base: weights only)."""
     total = state.total
-    weights = (total.buffer if cfg.parallel.use_distributed_optimizer else total.params) * param_bytes(cfg.model)
+    distributed = cfg.parallel.use_distributed_optimizer
+    weights = (total.buffer + total.frozen if distributed else total.params) * param_bytes(cfg.model)
     return weights, total.buffer * GRAD_BYTES, total.master * optimizer_bytes_per_element(cfg.model)
 
 
 def most_loaded_rank(cfg: RootConfig, world_size: int) -> RankState:
     """The rank whose weights + gradients + optimizer state are largest (the first of equals)."""
-    return max(every_rank_state(cfg.model, cfg.parallel, world_size), key=lambda st: sum(state_bytes(cfg, st)))
+    return max(every_rank_state(cfg.model, cfg.parallel, world_size, cfg.lora),
+               key=lambda st: sum(state_bytes(cfg, st)))
 
 
 def estimate_memory(cfg: RootConfig, world_size: int) -> MemoryEstimate:
@@ -231,7 +236,8 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
         f"per-GPU memory estimate (GPU target, {GPU_MEMORY_GIB:.0f} GiB; params_dtype={m.params_dtype} -> {dtype}; "
         f"most loaded rank {st.rank}, PP stage {st.pp_rank}; planning/sharding.py):",
         f"  weights          {_gib(est.weights)}   "
-        f"{'parameter buffers' if distributed else 'parameters'} x {param_bytes(m)} B",
+        f"{'parameter buffers' if distributed else 'parameters'}{' + the frozen base' if cfg.lora.rank > 0 else ''}"
+        f" x {param_bytes(m)} B",
         f"  gradients        {_gib(est.grads)}   DDP buffers: dense {st.dense.buffer:,}{expert_buffer} elements x "
         f"{GRAD_BYTES} B (fp32 main grads)",
         f"  optimizer state  {_gib(est.optimizer)}   fp32 master + Adam m, v of dense {st.dense.master:,} "
@@ -240,6 +246,7 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
         f" (without recompute {_gib(est.activations_no_recompute).strip()}, with full recompute "
         f"{_gib(est.activations_full_recompute).strip()}; includes logits + grad)",
     ]
+    lines += _lora_lines(cfg, est)
     dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
     if r.engine == "vllm":
         seqs = cfg.trainer.train_batch_size * r.n // dp
@@ -278,6 +285,35 @@ def _memory_lines(cfg: RootConfig, world_size: int) -> tuple[list[str], list[str
                             f"{GPU_MEMORY_GIB:.0f} GiB per GPU by {(value - GPU_MEMORY_GIB * GIB) / GIB:.1f} GiB "
                             f"({listed} GiB)")
     return lines, warnings
+
+
+def _lora_lines(cfg: RootConfig, est: MemoryEstimate) -> list[str]:
+    """LoRA: the frozen base (weights only) and the adapters (weights, gradients, optimizer state) apart."""
+    lo, st, nbytes = cfg.lora, est.state.total, param_bytes(cfg.model)
+    if lo.rank <= 0:
+        return []
+    base = st.frozen * nbytes
+    adapters = est.train_state - base
+    return [f"  LoRA rank {lo.rank} on {', '.join(lo.targets)}{' (experts too)' if lo.experts else ''}: "
+            f"base {st.frozen:,} parameters frozen, {_gib(base).strip()} (weights only: no gradient, master or Adam)",
+            f"    adapters {st.trainable:,} parameters trained, {_gib(adapters).strip()} "
+            "(weights + gradients + optimizer state)"]
+
+
+def fewest_gpus_that_fit(cfg: RootConfig, up_to: int = 256) -> int | None:
+    """The smallest world size (a multiple of the layout's model-parallel and expert-parallel sizes, the batch
+    divisible over its DP ranks) whose training and generation estimates fit one GPU; None up to `up_to`."""
+    p = cfg.parallel
+    dense, pp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size, \
+        p.pipeline_model_parallel_size
+    step = math.lcm(dense, pp * p.expert_model_parallel_size * p.expert_tensor_parallel_size)
+    for world in range(step, up_to + 1, step):
+        if cfg.trainer.ppo_mini_batch_size % (world // dense):
+            continue
+        est = estimate_memory(cfg, world)
+        if max(est.train_peak, est.generation_peak) <= GPU_MEMORY_GIB * GIB:
+            return world
+    return None
 
 
 def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
@@ -351,5 +387,7 @@ def dry_run_report(cfg: RootConfig, world_size: int, replays: bool, phase_times:
         _step_lines(cfg, world_size, replays),
         _generation_lines(cfg, world_size, phase_times or DEFAULT_PHASE_TIMES),
         warnings or ["memory: every estimate fits in one GPU"],
+        [f"memory: at this layout the estimates fit from {fewest} GPUs" if (fewest := fewest_gpus_that_fit(cfg))
+         else "memory: at this layout no world size up to 256 GPUs fits"],
     ]
     return "\n".join(line for section in sections for line in section)

@@ -23,6 +23,12 @@ How megatron shards them:
 
 The tensor order is the local layer spec's (the CPU build); the Transformer Engine spec registers the same tensors
 in another order, which moves only the 64-element alignment padding.
+
+With LoRA (`lora.rank` > 0, model/lora.py) every base tensor is frozen: it is a parameter (weights) but has no place
+in a DDP buffer and no master or Adam state; only the adapters enter the buffers. Each adapted linear registers
+`lora_a`, `lora_b` after its weight: a column-parallel one (QKV, fc1) A [r, in] whole and B [out / TP, r], a
+row-parallel one (o_proj, fc2) A [r, in / TP] and B [out, r] whole; an expert's (`lora.experts`, ETP = 1) are in
+the expert buffers as its weight is.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass, replace
 
 from exgrpo_megatron.config.derived import head_dim, padded_vocab_size
 from exgrpo_megatron.config.families import family_of
-from exgrpo_megatron.config.schema import ModelConfig, ParallelConfig
+from exgrpo_megatron.config.schema import LoraConfig, ModelConfig, ParallelConfig
 
 PARAM_ALIGN = 64  # the distributed optimizer starts each parameter at a multiple of 64 elements
 BUCKET_ALIGN = 128  # ... and ends each bucket at a multiple of lcm(group size, 128)
@@ -43,18 +49,25 @@ class ParamTensor:
     numel: int
     expert: bool = False  # in megatron's expert-parallel buffers (an expert's weight at EP > 1)
     shared_embedding: bool = False  # the tied embedding copy of the first or last stage at PP > 1: its own bucket
+    trainable: bool = True  # False: a frozen base weight under LoRA (no buffer place, no optimizer state)
 
 
 @dataclass(frozen=True)
 class GroupState:
     """Elements of one gradient group (dense or expert) on one rank."""
 
-    params: int = 0
+    params: int = 0  # every parameter element, frozen ones included
     buffer: int = 0  # DDP buffer length with padding: the gradient buffer (and the parameter buffer with DistOpt)
     master: int = 0  # fp32 master elements (= exp_avg = exp_avg_sq elements)
+    frozen: int = 0  # parameter elements that do not train (LoRA's base weights): outside the buffers
+
+    @property
+    def trainable(self) -> int:
+        return self.params - self.frozen
 
     def __add__(self, other: GroupState) -> GroupState:
-        return GroupState(self.params + other.params, self.buffer + other.buffer, self.master + other.master)
+        return GroupState(self.params + other.params, self.buffer + other.buffer, self.master + other.master,
+                          self.frozen + other.frozen)
 
 
 @dataclass(frozen=True)
@@ -102,39 +115,63 @@ def rank_coordinates(p: ParallelConfig, world_size: int, rank: int) -> RankCoord
                            expert_dp_rank=rank // ep_block % expert_data_parallel_size(p, world_size))
 
 
-def layer_tensors(m: ModelConfig, p: ParallelConfig) -> list[ParamTensor]:
+def lora_on(lora: LoraConfig | None) -> bool:
+    return lora is not None and lora.rank > 0
+
+
+def _adapted(base: ParamTensor, name: str, a_shape: tuple[int, int], b_shape: tuple[int, int],
+             lora: LoraConfig | None, of_expert: bool = False) -> list[ParamTensor]:
+    """The linear's weight, then its adapters A, B if `lora` targets `name` (the weight frozen under LoRA);
+    `of_expert`: an MoE expert's linear (adapted only with `lora.experts`)."""
+    if not lora_on(lora):
+        return [base]
+    assert lora is not None
+    weight = replace(base, trainable=False)
+    if name not in lora.targets or (of_expert and not lora.experts):
+        return [weight]
+    return [weight, ParamTensor(math.prod(a_shape), base.expert), ParamTensor(math.prod(b_shape), base.expert)]
+
+
+def layer_tensors(m: ModelConfig, p: ParallelConfig, lora: LoraConfig | None = None) -> list[ParamTensor]:
     """One decoder layer's parameters on one rank, in registration order: input norm, o_proj, QKV (+ bias),
-    q/k norms, pre-MLP norm, then the router and every local expert's fc1, fc2, or the dense fc1, fc2."""
+    q/k norms, pre-MLP norm, then the router and every local expert's fc1, fc2, or the dense fc1, fc2; each
+    adapted linear followed by its LoRA A and B."""
     family, tp, d, h = family_of(m.family), p.tensor_model_parallel_size, head_dim(m), m.hidden_size
     q_dim, qkv = m.num_attention_heads * d, (m.num_attention_heads + 2 * m.num_query_groups) * d // tp
-    out = [ParamTensor(h), ParamTensor(q_dim // tp * h), ParamTensor(qkv * h)]
-    out += [ParamTensor(qkv)] if family.qkv_bias else []
-    out += [ParamTensor(d), ParamTensor(d)] if family.qk_norm else []
-    out.append(ParamTensor(h))
+    r, frozen = (lora.rank if lora is not None else 0), not lora_on(lora)
+    base = [ParamTensor(h, trainable=frozen)]  # norms, biases, router: trainable only without LoRA
+    out = [*base, *_adapted(ParamTensor(q_dim // tp * h), "linear_proj", (r, q_dim // tp), (h, r), lora)]
+    out += _adapted(ParamTensor(qkv * h), "linear_qkv", (r, h), (qkv, r), lora)
+    out += [ParamTensor(qkv, trainable=frozen)] if family.qkv_bias else []
+    out += [ParamTensor(d, trainable=frozen), ParamTensor(d, trainable=frozen)] if family.qk_norm else []
+    out.append(ParamTensor(h, trainable=frozen))
     if not m.num_experts:
         f = m.ffn_hidden_size // tp
-        return [*out, ParamTensor(2 * f * h), ParamTensor(f * h)]
+        return [*out, *_adapted(ParamTensor(2 * f * h), "linear_fc1", (r, h), (2 * f, r), lora),
+                *_adapted(ParamTensor(f * h), "linear_fc2", (r, f), (h, r), lora)]
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     fe, expert = (m.moe_ffn_hidden_size or m.ffn_hidden_size) // etp, ep > 1
-    out.append(ParamTensor(m.num_experts * h))
+    out.append(ParamTensor(m.num_experts * h, trainable=frozen))
     for _ in range(m.num_experts // ep):
-        out += [ParamTensor(2 * fe * h, expert), ParamTensor(fe * h, expert)]
+        out += _adapted(ParamTensor(2 * fe * h, expert), "linear_fc1", (r, h), (2 * fe, r), lora, of_expert=True)
+        out += _adapted(ParamTensor(fe * h, expert), "linear_fc2", (r, fe), (h, r), lora, of_expert=True)
     return out
 
 
-def chunk_tensors(m: ModelConfig, p: ParallelConfig, pp_rank: int, chunk: int) -> list[ParamTensor]:
+def chunk_tensors(m: ModelConfig, p: ParallelConfig, pp_rank: int, chunk: int, lora: LoraConfig | None = None
+                  ) -> list[ParamTensor]:
     """The parameters of model chunk `chunk` (0 without VPP) of pipeline stage `pp_rank`, in registration order."""
     pp, chunks = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
     first, last = pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == chunks - 1
     vocab_rows = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tensor_model_parallel_size)
     embedding = vocab_rows // p.tensor_model_parallel_size * m.hidden_size
-    shared = m.tie_word_embeddings and pp > 1
-    out = [ParamTensor(embedding, shared_embedding=shared)] if first else []
-    out += layer_tensors(m, p) * (m.num_layers // (pp * chunks))
+    shared, trainable = m.tie_word_embeddings and pp > 1, not lora_on(lora)
+    out = [ParamTensor(embedding, shared_embedding=shared, trainable=trainable)] if first else []
+    out += layer_tensors(m, p, lora) * (m.num_layers // (pp * chunks))
     if last:
-        out.append(ParamTensor(m.hidden_size))
+        out.append(ParamTensor(m.hidden_size, trainable=trainable))
         if not m.tie_word_embeddings or not first:
-            out.append(ParamTensor(embedding, shared_embedding=shared))
+            out.append(ParamTensor(embedding, shared_embedding=shared, trainable=trainable))
     return out
 
 
@@ -171,42 +208,48 @@ def bucket_layout(tensors: list[ParamTensor], group_size: int, distributed: bool
 
 
 def group_state(tensors: list[ParamTensor], group_size: int, group_rank: int, distributed: bool) -> GroupState:
-    """One buffer's elements on the rank `group_rank` of the group the buffer is sharded over."""
-    if not tensors:
-        return GroupState()
-    buckets = bucket_layout(tensors, group_size, distributed)
+    """One buffer's elements on the rank `group_rank` of the group the buffer is sharded over (the frozen tensors
+    counted as parameters only)."""
     params = sum(t.numel for t in tensors)
+    frozen = params - sum(t.numel for t in tensors if t.trainable)
+    tensors = [t for t in tensors if t.trainable]
+    if not tensors:
+        return GroupState(params, frozen=frozen)
+    buckets = bucket_layout(tensors, group_size, distributed)
     if not distributed:
-        return GroupState(params, buckets[-1][1], params)
+        return GroupState(params, buckets[-1][1], params - frozen, frozen)
     master = 0
     for bucket_start, bucket_end, members in buckets:
         size = (bucket_end - bucket_start) // group_size
         lo = bucket_start + group_rank * size
         hi = min(lo + size, bucket_end)
         master += sum(max(0, min(e, hi) - max(s, lo)) for s, e in members)
-    return GroupState(params, buckets[-1][1], master)
+    return GroupState(params, buckets[-1][1], master, frozen)
 
 
-def rank_state(m: ModelConfig, p: ParallelConfig, world_size: int, rank: int) -> RankState:
-    """The trainable state megatron-core allocates on global rank `rank` of `world_size`."""
+def rank_state(m: ModelConfig, p: ParallelConfig, world_size: int, rank: int, lora: LoraConfig | None = None
+               ) -> RankState:
+    """The trainable state megatron-core allocates on global rank `rank` of `world_size` (`lora`: the run's LoRA
+    config; None or rank 0 = full fine-tuning)."""
     where = rank_coordinates(p, world_size, rank)
     dp, edp = dense_data_parallel_size(p, world_size), expert_data_parallel_size(p, world_size)
     dense, expert = GroupState(), GroupState()
     for chunk in range(p.virtual_pipeline_model_parallel_size or 1):
-        tensors = chunk_tensors(m, p, where.pp_rank, chunk)
+        tensors = chunk_tensors(m, p, where.pp_rank, chunk, lora)
         dense += group_state([t for t in tensors if not t.expert], dp, where.dp_rank, p.use_distributed_optimizer)
         expert += group_state([t for t in tensors if t.expert], edp, where.expert_dp_rank,
                               p.use_distributed_optimizer)
     return RankState(rank, where.pp_rank, dense, expert)
 
 
-def every_rank_state(m: ModelConfig, p: ParallelConfig, world_size: int) -> list[RankState]:
+def every_rank_state(m: ModelConfig, p: ParallelConfig, world_size: int, lora: LoraConfig | None = None
+                     ) -> list[RankState]:
     """rank_state of every rank (ranks with the same stage and shard coordinates computed once)."""
     seen: dict[RankCoordinates, RankState] = {}
     out = []
     for rank in range(world_size):
         where = rank_coordinates(p, world_size, rank)
         if where not in seen:
-            seen[where] = rank_state(m, p, world_size, rank)
+            seen[where] = rank_state(m, p, world_size, rank, lora)
         out.append(replace(seen[where], rank=rank))
     return out
