@@ -112,7 +112,7 @@ class RolloutConfig:
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
     max_batch_sequences: int = 64  # megatron engine: sequences decoded together
-    decode_loop: str = "chunked"  # megatron engine: chunked | continuous | auto (continuous on CUDA where it runs)
+    decode_loop: str = "auto"  # megatron engine: chunked | continuous | auto (continuous on CUDA where it runs)
     compile_decode: bool = False  # continuous loop off CUDA graphs: torch.compile(fullgraph) the decode step
     cuda_graphs: str = "auto"  # continuous loop: auto (on with CUDA) | true (CUDA only) | false
     stop_check_every: int = 4  # continuous loop: the host reads the rows' stops every this many decode steps
