@@ -43,7 +43,6 @@ class StepSettings:
     sequence_packing: bool
     sampling: SamplingParams  # the rollout's; its seed is set per step and round
     vocab_size: int
-    require_think: bool
     skip_grad_bound: float
     max_refill_rounds: int
 
@@ -56,7 +55,7 @@ def step_settings(cfg: RootConfig) -> StepSettings:
         micro_batch_max_tokens=t.micro_batch_max_tokens, sequence_packing=t.sequence_packing,
         sampling=SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=r.temperature,
                                 top_p=r.top_p, top_k=r.top_k, stop_strings=list(r.stop)),
-        vocab_size=cfg.model.vocab_size, require_think=cfg.reward.require_think,
+        vocab_size=cfg.model.vocab_size,
         skip_grad_bound=cfg.algo.skip_grad_bound, max_refill_rounds=cfg.algo.max_refill_rounds)
 
 

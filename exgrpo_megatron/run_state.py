@@ -18,9 +18,7 @@ import torch
 
 from exgrpo_megatron.ahead.schedule import AheadGeneration
 from exgrpo_megatron.checkpoint import (
-    REQUEUE_EXIT_CODE,
     LoadedCheckpoint,
-    PreemptionHandler,
     check_room_for_checkpoint,
     model_config_to_yaml,
     save_checkpoint,
@@ -33,6 +31,7 @@ from exgrpo_megatron.config.loader import to_yaml
 from exgrpo_megatron.config.resume_changes import check_resume_config
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.token_cache import tokenizer_fingerprint
+from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from exgrpo_megatron.experience.phase import legacy_state
 from exgrpo_megatron.logging import MetricsLogger, ProgressBar, save_resolved_config
 from exgrpo_megatron.policy.warm_start import warm_start_weights

@@ -159,7 +159,8 @@ def _kill_mid_pool_write(path: Path, data: bytes) -> str:
 
 
 def main(mode: str, run_dir: str) -> None:
-    from exgrpo_megatron.checkpoint import REQUEUE_EXIT_CODE, PreemptionHandler, find_latest, load_checkpoint, pool_io
+    from exgrpo_megatron.checkpoint import find_latest, load_checkpoint, pool_io
+    from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 
     torch.set_num_threads(1)
     layout, gpt, ddp, optimizer = build_tiny_trainer(1, 1)

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from exgrpo_megatron.checkpoint import (
-    REQUEUE_EXIT_CODE,
     CheckpointFormatError,
     IncompatibleCheckpointError,
     InsufficientDiskSpaceError,
@@ -35,6 +34,7 @@ from exgrpo_megatron.checkpoint import (
 )
 from exgrpo_megatron.checkpoint import layout as L
 from exgrpo_megatron.distributed.launch_env import free_local_port
+from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE
 from tests.checkpoint_worker import TINY, build_tiny_trainer, full_weights, synthetic_pool_shard, train_step
 from tests.helpers.multirank import run_on_ranks
 from tests.helpers.rank_processes import log_tail, reap, start_rank_process

@@ -28,10 +28,11 @@ import numpy as np
 import pytest
 import torch
 
-from exgrpo_megatron.checkpoint import REQUEUE_EXIT_CODE, find_latest
+from exgrpo_megatron.checkpoint import find_latest
 from exgrpo_megatron.checkpoint.checkpointer import POOL_MANIFEST_FILE, read_root_manifest
 from exgrpo_megatron.checkpoint.pool_io import read_pool_shards
 from exgrpo_megatron.distributed.launch_env import free_local_port
+from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE
 from exgrpo_megatron.logging import read_metrics
 from tests.helpers.rank_processes import log_tail, reap, start_rank_process
 

@@ -1,7 +1,6 @@
 """Checkpoints: atomic, durable, reshardable save/load of model, optimizer, pool, RNG and trainer
 state (checkpointer.py), per-file size + sha256 verification (integrity.py), resume from the newest
-checkpoint that verifies (resume.py), the run-directory layout and `latest` pointer (layout.py); the
-preemption handler (distributed/preemption.py) is re-exported here."""
+checkpoint that verifies (resume.py), the run-directory layout and `latest` pointer (layout.py)."""
 
 from exgrpo_megatron.checkpoint.checkpointer import (
     CheckpointSaveError,
@@ -18,10 +17,8 @@ from exgrpo_megatron.checkpoint.files import CheckpointFormatError
 from exgrpo_megatron.checkpoint.integrity import CheckpointVerificationError, verify_checkpoint
 from exgrpo_megatron.checkpoint.layout import checkpoints_dir, find_latest, resolve_resume
 from exgrpo_megatron.checkpoint.resume import load_newest_verified
-from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 
 __all__ = [
-    "REQUEUE_EXIT_CODE",
     "CheckpointFormatError",
     "CheckpointSaveError",
     "CheckpointVerificationError",
@@ -29,7 +26,6 @@ __all__ = [
     "InsufficientDiskSpaceError",
     "LoadedCheckpoint",
     "NoRoomForCheckpointError",
-    "PreemptionHandler",
     "check_room_for_checkpoint",
     "checkpoints_dir",
     "find_latest",
