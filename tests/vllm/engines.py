@@ -71,3 +71,16 @@ def randomise_adapters_(chunks, seed: int) -> None:
             g = torch.Generator().manual_seed(seed + i)
             full = 0.3 * torch.randn(tp_full_shape(p.shape, split, tp), generator=g)
             p.copy_(tp_shard(full, split, tp, tp_rank))
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt by `new_tokens` tokens (no cache: the reference decode)."""
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(new_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(prompt):])
+    return out

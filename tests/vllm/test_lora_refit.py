@@ -73,7 +73,7 @@ def peft_greedy(hf_dir: str, params: dict[str, torch.Tensor], prompts: list[list
 
     from exgrpo_megatron.convert.hf_mapping import megatron_to_hf
     from exgrpo_megatron.model.param_layout import is_adapter
-    from tests.vllm.engines import tiny_model_config
+    from tests.vllm.engines import hf_greedy, tiny_model_config
 
     cfg = tiny_model_config()
     base = {hf: t for name, p in params.items() if not is_adapter(name) for hf, t in megatron_to_hf(name, p, cfg)}
@@ -94,15 +94,7 @@ def peft_greedy(hf_dir: str, params: dict[str, torch.Tensor], prompts: list[list
                 peft_params[f"{hf_stem}.lora_A.default.weight"].copy_(params[stem + "lora_a"])
             copied += 2
     assert copied == sum("lora_" in n for n in peft_params), "every PEFT adapter gets ours"
-    model.eval()
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(NEW_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(prompt):])
-    return out
+    return hf_greedy(model, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])

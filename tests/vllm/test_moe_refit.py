@@ -87,17 +87,11 @@ def transformers_greedy(hf_dir: str, weights: dict[str, torch.Tensor], prompts: 
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    from tests.vllm.engines import hf_greedy
+
     save_file({n: t.contiguous() for n, t in weights.items()}, f"{hf_dir}/model.safetensors")
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    model.eval()
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(NEW_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(prompt):])
-    return out
+    return hf_greedy(model, prompts, NEW_TOKENS)
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
