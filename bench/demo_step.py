@@ -80,7 +80,7 @@ def _pass_counter(per_step: list[dict]):
     """A step observer counting, per step, the sequences and token slots of every pass through the policy."""
     import torch
 
-    from exgrpo_megatron.step_observer import StepObserver
+    from exgrpo_megatron.training.step_observer import StepObserver
 
     class CountPasses(StepObserver):
         def __init__(self) -> None:
@@ -109,7 +109,7 @@ def _pass_counter(per_step: list[dict]):
 def worker(overrides: list[str], out_path: str) -> None:
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.logging import read_metrics
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     cfg = load_config("demo_cpu", overrides)
     per_step: list[dict] = []

@@ -169,14 +169,14 @@ def _numerics_arm(dtype: str, rollouts: str, smoke: bool) -> dict:
     import torch
 
     from exgrpo_megatron.algo.registry import build_algorithm
-    from exgrpo_megatron.components import build_components
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.distributed.runtime import destroy_distributed, init_distributed
-    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.policy.train_batch import build_rollout_rows, token_stats
     from exgrpo_megatron.reward.rollout_rewards import rewards_per_group
     from exgrpo_megatron.rollout.types import Sample
-    from exgrpo_megatron.trainer import generate, plan_step, update_policy, with_old_logprobs
+    from exgrpo_megatron.training.components import build_components
+    from exgrpo_megatron.training.trainer import generate, plan_step, update_policy, with_old_logprobs
 
     run_dir = tempfile.mkdtemp(prefix="gpu_check_numerics_")
     overrides = NUMERICS_OVERRIDES + [f"model.params_dtype={dtype}", f"logging.run_dir={run_dir}"]
@@ -223,7 +223,7 @@ def _rl_step_arm(steps: int, smoke: bool) -> dict:
     from exgrpo_megatron.config.derived import resolve_params_dtype
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.logging.metrics import read_metrics
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     run_dir = tempfile.mkdtemp(prefix="gpu_check_rl_step_")
     overrides = (RL_STEP_SMOKE if smoke else RL_STEP_GPU) + RL_STEP_COMMON
@@ -255,7 +255,7 @@ def moe(steps: int, smoke: bool) -> dict:
     moving between an update and the next), the experts' balance and the step time."""
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.logging.metrics import read_metrics
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     run_dir = tempfile.mkdtemp(prefix="gpu_check_moe_")
     overrides = ["model=demo_qwen3_moe", "model.moe_routing_replay=true",

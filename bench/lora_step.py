@@ -54,7 +54,7 @@ def worker(overrides: list[str], steps: int, out: str) -> None:
     from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.distributed.runtime import init_distributed
-    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.policy.objective import rl_loss_fn
     from exgrpo_megatron.policy.policy import Policy
     from exgrpo_megatron.policy.train_batch import RolloutRows, TrainBatch, micro_batches_for_update

@@ -103,9 +103,9 @@ def disk_full(h, work: Path, data: str) -> dict:
 
 
 def corrupted_cache(h, work: Path, data: str) -> dict:
-    from exgrpo_megatron.components import build_datasets
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.data.tokenizer import load_tokenizer
+    from exgrpo_megatron.training.components import build_datasets
 
     run_dir = _fresh(work / "corrupted_cache")
     cache = run_dir / "token_cache"

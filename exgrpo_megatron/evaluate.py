@@ -54,7 +54,7 @@ from exgrpo_megatron.reward.benchmark_grading import (  # noqa: F401  (combine_l
 )
 from exgrpo_megatron.reward.multiple_choice import is_multiple_choice
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
-from exgrpo_megatron.rollout_service import Generated, RolloutService
+from exgrpo_megatron.training.rollout_service import Generated, RolloutService
 
 DEFAULT_AVG_K: dict[str, int] = {"aime24": 32, "aime25": 32, "amc": 32}
 

@@ -30,7 +30,7 @@ from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptedD
 
 if TYPE_CHECKING:
     from exgrpo_megatron.config.schema import RootConfig
-    from exgrpo_megatron.step_observer import StepObserver
+    from exgrpo_megatron.training.step_observer import StepObserver
 
 EXIT_INVALID_CONFIG = 2
 
@@ -142,7 +142,7 @@ def train_config(cfg: RootConfig, preemption: PreemptionHandler | None = None,
     cpu_shims.apply()  # before megatron-core is imported: its known CPU warnings are filtered (no-op on GPU)
     from exgrpo_megatron.checkpoint import CheckpointFormatError, CheckpointSaveError, IncompatibleCheckpointError
     from exgrpo_megatron.data.datasets import DataFileError, EmptyDatasetError
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     try:
         return run_training(cfg, preemption, observers)

@@ -36,7 +36,7 @@ def planted_forward_observers(at_step: int) -> list:
 
     from exgrpo_megatron.distributed.collective_ledger import collective_pass
     from exgrpo_megatron.policy.train_batch import token_stats
-    from exgrpo_megatron.step_observer import StepObserver
+    from exgrpo_megatron.training.step_observer import StepObserver
 
     class PlantedForward(StepObserver):
         def started(self, c) -> None:

@@ -33,7 +33,7 @@ def _after(module, name: str) -> None:
 def install(point: str) -> list:
     """Signal at `point`: the trainer's start-up points through its observer hooks, the config and checkpoint
     modules' functions (not the trainer's) by wrapping them. Returns the observers for train.main."""
-    from exgrpo_megatron.step_observer import StepObserver
+    from exgrpo_megatron.training.step_observer import StepObserver
 
     class SignalAt(StepObserver):
         def distributed(self, layout) -> None:

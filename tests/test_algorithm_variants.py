@@ -15,8 +15,8 @@ from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.algo.variants.dapo import DAPO
 from exgrpo_megatron.algo.variants.exgrpo import ExGRPO
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.experience.phase import Phase
-from exgrpo_megatron.step_observer import StepObserver
+from exgrpo_megatron.experience.schedule import Phase
+from exgrpo_megatron.training.step_observer import StepObserver
 from tests.helpers.demo_digest import overrides, warm_start
 from tests.helpers.multirank import run_on_ranks
 
@@ -70,7 +70,7 @@ class _Recorder(StepObserver):
 
 def _train_recording(overrides_: list[str]) -> dict:
     """run_training on this rank, recording each step's trained rewards / advantages and the graded groups."""
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     recorder = _Recorder()
     cfg = load_config("demo_cpu", overrides_)

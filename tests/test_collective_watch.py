@@ -138,7 +138,7 @@ def train_ep2(run_dir: str, ledger: bool) -> tuple[list[dict], int, int]:
     """The run's metrics, and the step and number of collectives of the ledger's last step (0, 0: no ledger)."""
     from exgrpo_megatron.distributed import collective_watch
     from exgrpo_megatron.logging import read_metrics
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     overrides = [*EP2_RUN[2:], f"logging.run_dir={run_dir}", f"parallel.collective_ledger={ledger}"]
     assert run_training(load_config("demo_cpu", overrides)) == 0

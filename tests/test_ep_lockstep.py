@@ -53,7 +53,7 @@ def passes_with_one_empty_rank(ep: int) -> dict:
     from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.data.step_plan import QuestionGroup
     from exgrpo_megatron.distributed.runtime import init_distributed
-    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.policy.objective import rl_loss_fn
     from exgrpo_megatron.policy.policy import Policy
     from exgrpo_megatron.policy.train_batch import TrainBatch, micro_batches_for_update, token_stats
@@ -135,8 +135,8 @@ def train_recording_sites(overrides: list[str]) -> dict:
     count; "idle_round": a generation round it joined with nothing of its own), the groups of each generation round,
     and the first groups' graded rewards per step."""
     from exgrpo_megatron.logging import read_metrics
-    from exgrpo_megatron.step_observer import StepObserver
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.step_observer import StepObserver
+    from exgrpo_megatron.training.trainer import run_training
 
     sites: list[tuple[int, str, int, int]] = []
     rounds: list[tuple[int, int]] = []  # (step, groups this rank generated in one round)

@@ -26,7 +26,7 @@ from exgrpo_megatron.evaluate import (
 from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading
 from exgrpo_megatron.reward.boxed import grade_boxed, last_boxed_content, normalize_answer
 from exgrpo_megatron.rollout.types import Sample, SamplingParams
-from exgrpo_megatron.rollout_service import RolloutService
+from exgrpo_megatron.training.rollout_service import RolloutService
 from tests.helpers.multirank import run_on_ranks
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "eval_small.jsonl")

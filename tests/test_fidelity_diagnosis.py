@@ -19,7 +19,7 @@ from exgrpo_megatron.policy.train_batch import build_rollout_rows
 from exgrpo_megatron.rollout.group_filter import StepRollouts
 from exgrpo_megatron.rollout.splice import splice_replay
 from exgrpo_megatron.rollout.types import Sample
-from exgrpo_megatron.trainer import pool_outcomes
+from exgrpo_megatron.training.trainer import pool_outcomes
 
 K = 8
 PROMPT = [5, 6, 7]

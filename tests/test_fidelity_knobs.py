@@ -17,11 +17,11 @@ import torch
 from exgrpo_megatron.algo.loss import select_replay_denominator_logprobs
 from exgrpo_megatron.algo.policy_loss import LossBatch, exgrpo_loss
 from exgrpo_megatron.algo.registry import build_algorithm
-from exgrpo_megatron.components import build_pool
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import config_errors
 from exgrpo_megatron.data.step_plan import experience_quota
 from exgrpo_megatron.experience import CandidateScores, GroupOutcome, ShardedExperiencePool
+from exgrpo_megatron.training.components import build_pool
 
 K = 8
 QUESTIONS_PER_BUCKET = 200
@@ -302,7 +302,7 @@ def test_mixed_phase_clip_switch(clip):
     """algo.mixed_phase_clip (issue-15 diagnostic), through Algorithm.loss: a fresh token whose ratio is past 1 + eps
     with A > 0 gets the plain gradient -A rho in the paper's unclipped mixed phase and none when clipped; the replayed
     token's f(w) gradient is the same either way; the warm-up phase clips in both settings."""
-    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.experience.schedule import Phase
 
     cfg = load_config("fidelity_cpu", [f"algo.mixed_phase_clip={str(clip).lower()}"])
     algo = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)

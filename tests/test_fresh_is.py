@@ -15,7 +15,7 @@ from exgrpo_megatron.algo.policy_loss import LossBatch, exgrpo_loss
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.algo.surrogates import PPOClip
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.experience.phase import Phase
+from exgrpo_megatron.experience.schedule import Phase
 from tests.test_algo_loss import T_MAX, random_batch, ref_loss
 
 CAP = 1.5

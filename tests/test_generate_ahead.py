@@ -165,7 +165,7 @@ def test_start_up_checks_name_each_key():
 def test_weights_load_by_name_and_copy_the_vocabulary_rows_both_have():
     import torch
 
-    from exgrpo_megatron.ahead.generator import load_full_weights
+    from exgrpo_megatron.training.async_generation.generator import load_full_weights
 
     params = {"embedding.word_embeddings.weight": torch.nn.Parameter(torch.zeros(128, 4)),
               "decoder.final_layernorm.weight": torch.nn.Parameter(torch.zeros(4))}

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_megatron.ahead.watch import EXIT_GENERATOR_FAILED
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE
+from exgrpo_megatron.training.async_generation.watch import EXIT_GENERATOR_FAILED
 from tests.test_generate_ahead import AHEAD
 from tests.test_trainer_resume import _launch, _overrides, _write_dataset
 

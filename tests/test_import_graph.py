@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = "exgrpo_megatron"
 REPO = Path(__file__).resolve().parents[1]
 
-# Bottom-up: a folder (or top-level module) may import only those listed before it.
+# Bottom-up: a folder (or top-level module, or a member of training/) may import only those listed before it.
 LAYERS: tuple[str, ...] = (
     "machine",  # what this machine offers (its CPU's bf16 unit): stdlib + torch only
     "config",  # the schema, its domains, validation, values derived from it
@@ -26,16 +26,17 @@ LAYERS: tuple[str, ...] = (
     "logging",
     "rollout",  # engines, their factory, group generation
     "reward",  # grading, rollout rewards
-    "rollout_service",  # generation + grading for a list of question groups
+    "training",  # the training loop package's own __init__ (a docstring: imported with each member)
+    "training.rollout_service",  # generation + grading for a list of question groups
     "policy",  # the trained policy: schedule, optimizer, log-probs
-    "step_metrics",
-    "step_observer",  # the hooks a run's observers receive (they only look at the trainer's objects)
-    "components",  # what a run is built from
-    "ahead",  # generating ahead of training: the schedule, the generator process, the link
+    "training.step_metrics",
+    "training.step_observer",  # the hooks a run's observers receive (they only look at the trainer's objects)
+    "training.components",  # what a run is built from
+    "training.async_generation",  # generating ahead of training: the schedule, the generator process, the link
     "evaluate",  # the benchmark evaluation CLI
-    "validation",  # in-training validation (avg@k on the held-out set)
-    "run_state",
-    "trainer",
+    "training.heldout_accuracy",  # in-training validation (avg@k on the held-out set)
+    "training.run_state",
+    "training.trainer",
     "train",  # the training CLI
     "",  # the package's own __init__
 )
@@ -108,8 +109,12 @@ def module_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def folder(module: str) -> str:
-    """exgrpo_megatron.config.schema -> config; exgrpo_megatron.trainer -> trainer; the package -> ''."""
+    """exgrpo_megatron.config.schema -> config; the package -> ''. The training loop's package is layered by its
+    members: exgrpo_megatron.training.trainer -> training.trainer, exgrpo_megatron.training.async_generation.link
+    -> training.async_generation."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "training":
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else ""
 
 

@@ -106,8 +106,8 @@ def _worker(p: dict) -> dict:
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.data.step_plan import QuestionGroup
     from exgrpo_megatron.distributed.runtime import init_distributed
-    from exgrpo_megatron.experience.phase import Phase
     from exgrpo_megatron.experience.response_store import ResponseStore
+    from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.policy.train_batch import TrainBatch, build_rollout_rows, micro_batches_for_update
     from exgrpo_megatron.rollout.group_filter import StepRollouts
     from exgrpo_megatron.rollout.stored_responses import stored_outcomes, with_stored_responses

@@ -12,7 +12,7 @@ import torch
 
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.model.param_layout import is_adapter, named_global_params
-from exgrpo_megatron.step_observer import StepObserver
+from exgrpo_megatron.training.step_observer import StepObserver
 from tests.helpers.multirank import run_on_ranks
 from tests.test_trainer import _overrides
 
@@ -48,7 +48,7 @@ class WeightWatch(StepObserver):
 
 
 def _train_watched(overrides: list[str], last_step: int) -> dict:
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     cfg = load_config("demo_cpu", overrides)
     watch = WeightWatch(last_step)

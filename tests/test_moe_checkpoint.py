@@ -28,7 +28,7 @@ def _step(cfg, layout, policy, seed: int) -> None:
 
     from exgrpo_megatron.algo.loss import global_loss_counts
     from exgrpo_megatron.algo.registry import build_algorithm
-    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.policy.objective import rl_loss_fn
     from exgrpo_megatron.policy.train_batch import TrainBatch, micro_batches_for_update
 

@@ -37,7 +37,7 @@ def rl_step(ep: int, init: dict | None) -> dict:
     from exgrpo_megatron.algo.loss import global_loss_counts
     from exgrpo_megatron.algo.registry import build_algorithm
     from exgrpo_megatron.distributed.runtime import init_distributed
-    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.policy.objective import rl_loss_fn
     from exgrpo_megatron.policy.policy import Policy
     from exgrpo_megatron.policy.train_batch import TrainBatch, micro_batches_for_update
@@ -128,7 +128,7 @@ def test_what_ep_training_cannot_do_yet_is_refused_at_start_up_but_planned_by_th
 
 def train_at_ep(ep: int, run_dir: str) -> list[dict]:
     from exgrpo_megatron.logging import read_metrics
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     cfg = load_config("demo_cpu", ["model=tiny_qwen3_moe", "model.vocab_size=103", "model.params_dtype=fp32",
                                    f"parallel.expert_model_parallel_size={ep}", f"logging.run_dir={run_dir}",

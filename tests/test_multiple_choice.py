@@ -25,7 +25,7 @@ from exgrpo_megatron.evaluate import (
 from exgrpo_megatron.reward import multiple_choice as mc
 from exgrpo_megatron.reward.benchmark_grading import BenchmarkGrading, grade_generation
 from exgrpo_megatron.rollout.types import Sample
-from exgrpo_megatron.rollout_service import RolloutService
+from exgrpo_megatron.training.rollout_service import RolloutService
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MC_FIXTURE, MATH_FIXTURE = str(FIXTURES / "eval_mc_small.jsonl"), str(FIXTURES / "eval_small.jsonl")

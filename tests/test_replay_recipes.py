@@ -20,9 +20,9 @@ from exgrpo_megatron.data.datasets import DatasetStats, PromptDataset, PromptExa
 from exgrpo_megatron.data.sampler import PromptSampler
 from exgrpo_megatron.data.step_plan import compose_step, local_groups
 from exgrpo_megatron.experience import GroupOutcome, ShardedExperiencePool
-from exgrpo_megatron.experience.phase import Phase
+from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.rollout.types import Sample
-from exgrpo_megatron.step_metrics import generation_sums
+from exgrpo_megatron.training.step_metrics import generation_sums
 from tests.test_algo_loss import random_batch, ref_token_loss, run_loss
 
 K = 8

@@ -88,7 +88,7 @@ def _micro_batches(packed: bool, choices):
 
 def replay_in_a_training_pass(packed: bool) -> dict:
     from exgrpo_megatron.algo.registry import build_algorithm
-    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.model.routing_replay import recording
     from exgrpo_megatron.policy.objective import rl_loss_fn
 
@@ -151,7 +151,7 @@ def replayed_update_with_recompute(recompute: bool) -> dict:
     """One update's loss and gradients with other experts imposed on two of three rows, with or without full
     activation recompute (which re-runs the routers in the backward)."""
     from exgrpo_megatron.algo.registry import build_algorithm
-    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.model.routing_replay import recording
     from exgrpo_megatron.policy.objective import rl_loss_fn
     from tests.helpers.gather import full_tensors
@@ -188,7 +188,7 @@ class _RoutingSeen:
     """Records, for each update's micro-batches, the routing the forward used against what the engine recorded."""
 
     def __init__(self) -> None:
-        from exgrpo_megatron.step_observer import StepObserver
+        from exgrpo_megatron.training.step_observer import StepObserver
 
         seen = self.seen = {"compared": 0, "equal": 0, "rows_with": 0, "replay_rows": 0, "replay_rows_with": 0}
 
@@ -223,7 +223,7 @@ class _RoutingSeen:
 
 
 def train_with_routing_replay(run_dir: str, sft_cache_dir: str) -> dict:
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     # the MoE demo model, warm-started (demo_cpu): some answers right, so the pool fills and replays from step 2
     cfg = load_config("demo_cpu", ["model=demo_qwen3_moe", "model.params_dtype=fp32",

@@ -19,7 +19,7 @@ from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.algo.sequences import Sequences
 from exgrpo_megatron.algo.surrogates import PPOClip
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.experience.phase import Phase
+from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.policy.batch import collate, make_micro_batches
 from tests.helpers.multirank import run_on_ranks
 

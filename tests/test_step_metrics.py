@@ -9,7 +9,7 @@ import torch
 from exgrpo_megatron.algo.loss_metrics import metric_reduce_op
 from exgrpo_megatron.policy.policy import UpdateResult
 from exgrpo_megatron.policy.train_batch import RolloutRows
-from exgrpo_megatron.step_metrics import (
+from exgrpo_megatron.training.step_metrics import (
     TrainMetrics,
     UpdateMetrics,
     consecutive_skips_after,

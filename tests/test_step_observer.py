@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.step_observer import StepObserver
+from exgrpo_megatron.training.step_observer import StepObserver
 from tests.helpers.multirank import run_on_ranks
 from tests.test_trainer import _overrides
 
@@ -69,7 +69,7 @@ class Recorder(StepObserver):
 
 
 def _train_observed(overrides: list[str]) -> dict:
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     cfg = load_config("demo_cpu", overrides)
     rec = Recorder()

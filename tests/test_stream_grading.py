@@ -140,7 +140,7 @@ def _validation_stream_vs_after() -> dict:
     from exgrpo_megatron.reward.rollout_rewards import submit_grading
     from exgrpo_megatron.rollout.groups import generate_groups
     from exgrpo_megatron.rollout.types import SamplingParams
-    from exgrpo_megatron.rollout_service import RolloutService
+    from exgrpo_megatron.training.rollout_service import RolloutService
 
     tokenizer, engine = _tiny_engine()
     params = SamplingParams(max_new_tokens=10, temperature=0.6, seed=10_007)

@@ -17,7 +17,7 @@ import torch
 
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.loader import load_config
-from exgrpo_megatron.experience.phase import Phase
+from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.policy.batch import collate, make_micro_batches
 from tests.helpers.multirank import run_on_ranks
 from tests.test_sequence_loss import MAX_TOKENS, _gspo_problem, micro_batch_loss_batch, problem

@@ -35,7 +35,7 @@ def _overrides(run_dir: str, tp: int = 1, pp: int = 1, extra: tuple[str, ...] = 
 
 
 def _train(overrides: list[str]) -> list[dict]:
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
 
     cfg = load_config("demo_cpu", overrides)
     assert run_training(cfg) == 0
@@ -64,8 +64,8 @@ def test_malformed_rows_are_reported_and_skipped(tmp_path, caplog):
             {"prompt": "3+4=?", "reward_model": {"ground_truth": "7"}}]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
-    from exgrpo_megatron.components import build_datasets
     from exgrpo_megatron.data.tokenizer import load_tokenizer
+    from exgrpo_megatron.training.components import build_datasets
 
     cfg = load_config("demo_cpu", ["data.source=files", f"data.train_files=[{path}]", "data.template=plain"])
     train, _ = build_datasets(cfg, load_tokenizer("char"))

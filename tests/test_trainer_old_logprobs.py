@@ -29,8 +29,8 @@ def _train_comparing_old_logprobs(overrides: list[str]) -> dict:
     from exgrpo_megatron.policy.objective import rl_loss_fn
     from exgrpo_megatron.policy.old_logprobs import old_logprobs
     from exgrpo_megatron.policy.train_batch import micro_batches_for_update
-    from exgrpo_megatron.step_observer import StepObserver
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.step_observer import StepObserver
+    from exgrpo_megatron.training.trainer import run_training
 
     cfg = load_config("demo_cpu", overrides)
     rec: dict = {"steps": [], "updates": [], "threads_train": set(), "threads_generate": set(),

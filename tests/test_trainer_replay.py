@@ -42,8 +42,8 @@ def sft_dir(tmp_path_factory, sft_cache_dir) -> str:
 # ------------------------------------------------------------------------------------------- DP=2 sharding
 def _train_dp_keeping_pool(overrides: list[str]) -> dict:
     """run_training, keeping this rank's Components to report its pool shard and its groups per step."""
-    from exgrpo_megatron.step_observer import StepObserver
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.step_observer import StepObserver
+    from exgrpo_megatron.training.trainer import run_training
 
     kept: dict = {}
     groups_seen: list[list[int]] = []
@@ -123,8 +123,8 @@ def _reference_logprobs(output, labels: torch.Tensor, vocab_size: int, temperatu
 def _train_recording_replay(overrides: list[str]) -> dict:
     """run_training (DP=1) observing the pool's draws (the planned replays), the groups, the rollout batch and every
     loss call."""
-    from exgrpo_megatron.step_observer import StepObserver
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.step_observer import StepObserver
+    from exgrpo_megatron.training.trainer import run_training
 
     cfg = load_config("demo_cpu", overrides)
     steps: dict[int, dict] = {}
@@ -301,8 +301,8 @@ def _check_tensorboard(run_dir: str, records: list[dict]) -> None:
 def _train_recording_loss_phase(overrides: list[str]) -> dict:
     """run_training (DP=1), recording through an observer whether the algorithm leaves each update unclipped
     (the mixed phase's loss) in the phase the trainer hands it."""
-    from exgrpo_megatron.step_observer import StepObserver
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.step_observer import StepObserver
+    from exgrpo_megatron.training.trainer import run_training
 
     class LossPhases(StepObserver):
         def __init__(self) -> None:

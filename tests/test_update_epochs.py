@@ -26,8 +26,8 @@ def _train(overrides: list[str], reference_second_pass: bool) -> dict:
     mini-batch updates once more, in order, on the trainer's own micro-batches (pi_old, phase and normalisers
     unchanged), and also keeps the weights from before that extra pass."""
     from exgrpo_megatron.policy.objective import rl_loss_fn
-    from exgrpo_megatron.step_observer import StepObserver
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.step_observer import StepObserver
+    from exgrpo_megatron.training.trainer import run_training
 
     cfg = load_config("demo_cpu", overrides)
     rec: dict = {"updates": {}, "old_logprobs": {}, "weights": {}, "single_pass_weights": {}}

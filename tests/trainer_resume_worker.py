@@ -124,7 +124,7 @@ def make_init(cfg, path: str) -> None:
 
 
 def install_pool_dump(run_dir: str) -> None:
-    from exgrpo_megatron.run_state import RunState
+    from exgrpo_megatron.training.run_state import RunState
 
     real_load = RunState.load
 

@@ -33,8 +33,8 @@ import numpy as np
 
 def _setup(cfg):
     from exgrpo_megatron.algo.registry import build_algorithm
-    from exgrpo_megatron.components import build_components
     from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.training.components import build_components
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     layout = init_distributed(seed=cfg.seed)

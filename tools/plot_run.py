@@ -3,7 +3,7 @@ experience pool's bucket histogram, entropy, response length and the time per st
 
     python tools/plot_run.py RUN_DIR [--out PNG]      # default output: RUN_DIR/metrics.png
 
-The panels plot the keys the trainer logs (exgrpo_megatron/trainer.py, step_metrics.py); a panel whose keys
+The panels plot the keys the trainer logs (exgrpo_megatron/training/trainer.py, step_metrics.py); a panel whose keys
 are absent says "no data". The reward panel shows the mean reward of the step's generated (fresh) rollouts,
 not of replayed trajectories: those were stored because they were correct, so their reward is 1 by
 construction. The replay panel shows the share of the batch's questions drawn from the pool

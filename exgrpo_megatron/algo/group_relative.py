@@ -25,8 +25,8 @@ from exgrpo_megatron.algo.loss_metrics import StepMetric, declared_metrics, metr
 from exgrpo_megatron.algo.policy_loss import LossBatch, LossSpec, ReplayTerm, policy_loss
 from exgrpo_megatron.algo.surrogates import PPOClip, Surrogate
 from exgrpo_megatron.config.schema import AlgoConfig, ExperienceConfig
-from exgrpo_megatron.experience.phase import Phase
 from exgrpo_megatron.experience.response_store import ResponseReplay
+from exgrpo_megatron.experience.schedule import Phase
 
 
 @dataclass(frozen=True)

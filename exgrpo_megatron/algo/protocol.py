@@ -33,8 +33,8 @@ from torch import Tensor
 
 from exgrpo_megatron.algo.policy_loss import LossBatch
 from exgrpo_megatron.config.schema import AlgoConfig, ExperienceConfig, TrainerConfig
-from exgrpo_megatron.experience.phase import Phase
 from exgrpo_megatron.experience.response_store import ResponseReplay
+from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.experience.types import GroupOutcome
 
 

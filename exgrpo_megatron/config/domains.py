@@ -99,7 +99,7 @@ DOMAINS: dict[str, Domain] = {
     "rollout.max_staleness": NON_NEGATIVE,  # 0 = colocated, generate then train
     "rollout.generator.threads": NON_NEGATIVE,  # 0 = torch's default
     "rollout.generator.startup_timeout_seconds": POSITIVE, "rollout.generator.deadline_factor": POSITIVE,
-    "rollout.generator.deadline_min_seconds": POSITIVE,  # the generator's deadline (ahead/watch.py)
+    "rollout.generator.deadline_min_seconds": POSITIVE,  # the generator's deadline (async_generation/watch.py)
     # algo
     "algo.clip_ratio": POSITIVE, "algo.clip_ratio_high": Domain(lo=0, lo_open=True, none_ok=True),
     "algo.shaping_beta": POSITIVE, "algo.entropy_coeff": NON_NEGATIVE,

@@ -98,7 +98,7 @@ class GeneratorConfig:
     device: str = "auto"  # auto (cpu; on GPU the first device after the node's trainer ranks) | cpu | cuda:N
     threads: int = 0  # its torch threads; 0 = torch's default
     cpu_cores: list[int] = field(default_factory=list)  # pin it to these cores (empty: inherit the launcher's)
-    startup_timeout_seconds: float = 900.0  # start-up and the first round must end within this (ahead/watch.py)
+    startup_timeout_seconds: float = 900.0  # start-up and the first round must end within this (async_generation/)
     deadline_factor: float = 10.0  # then each round within this x the slowest round measured so far ...
     deadline_min_seconds: float = 120.0  # ... and never less than this
 

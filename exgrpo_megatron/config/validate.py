@@ -185,7 +185,7 @@ def _old_logprobs_errors(cfg: RootConfig) -> list[str]:
 
 
 def staleness_errors(cfg: RootConfig) -> list[str]:
-    """What a run generating `rollout.max_staleness` steps ahead needs (ahead/schedule.py)."""
+    """What a run generating `rollout.max_staleness` steps ahead needs (async_generation/schedule.py)."""
     r, e = cfg.rollout, list[str]()
     if r.max_staleness <= 0:
         return e

@@ -36,7 +36,7 @@ import torch.distributed as dist
 LEDGER_WAIT_S = 3.0  # a collective this old publishes the rank's ledger
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 OWN_FILES = ("collective_watch.py", "collective_ledger.py")
-TRAINER = os.path.join(PACKAGE_DIR, "trainer.py")
+TRAINER = os.path.join(PACKAGE_DIR, "training", "trainer.py")
 _pass_name = threading.local()
 _agreement = threading.local()  # the pass site a lockstep agreement is made for (distributed/lockstep.py)
 

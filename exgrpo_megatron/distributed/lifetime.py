@@ -1,12 +1,12 @@
 """No process outlives the trainer that started it.
 
-A trainer (and the generator process of a run generating ahead) starts helpers: megatron-core's checkpoint writers
-are *forked* (`filesystem_async.py`, one per write bucket), the generator is spawned (ahead/schedule.py), the grader's
-fork server and workers are started through a fork server (reward/grader.py). When the trainer dies without running
-its clean-up -- SIGKILL, the OOM killer, a crashed node agent -- a forked writer blocked on a queue its parent will
-never read waits forever, and while it lives it holds copies of the trainer's descriptors: the grader fork server's
-liveness pipe (so the server and its workers stay too) and, before the run lock closed its descriptor in forked
-children (distributed/run_lock.py), the lock itself.
+A trainer (and the generator process of a run generating ahead) starts helpers: megatron-core's checkpoint writers are
+*forked* (`filesystem_async.py`, one per write bucket), the generator is spawned (training/async_generation/), the
+grader's fork server and workers are started through a fork server (reward/grader.py). When the trainer dies without
+running its clean-up -- SIGKILL, the OOM killer, a crashed node agent -- a forked writer blocked on a queue its parent
+will never read waits forever, and while it lives it holds copies of the trainer's descriptors: the grader fork
+server's liveness pipe (so the server and its workers stay too) and, before the run lock closed its descriptor in
+forked children (distributed/run_lock.py), the lock itself.
 
 `die_with_parent()` asks the kernel to SIGKILL the calling process when its parent dies (Linux
 `prctl(PR_SET_PDEATHSIG)`; elsewhere a thread that polls the parent's pid). `install_fork_hooks()` makes every child

@@ -17,8 +17,8 @@ Typical use by the trainer (every rank, same order):
 """
 
 from exgrpo_megatron.experience.buckets import BUCKET_MODES, IndexedBuckets, bucket_probabilities, draw_bucket_counts
-from exgrpo_megatron.experience.phase import ExperienceSchedule, Phase, legacy_state, solved_fraction
 from exgrpo_megatron.experience.routing import owner_rank, splitmix64
+from exgrpo_megatron.experience.schedule import ExperienceSchedule, Phase, legacy_state, solved_fraction
 from exgrpo_megatron.experience.selection import (
     SELECTION_METRICS,
     Scorer,

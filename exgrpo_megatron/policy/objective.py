@@ -15,7 +15,7 @@ import torch
 from exgrpo_megatron.algo.loss import mult_prob_error_sums
 from exgrpo_megatron.algo.policy_loss import LossBatch
 from exgrpo_megatron.algo.protocol import RLAlgorithm
-from exgrpo_megatron.experience.phase import Phase
+from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.policy.batch import MicroBatch
 from exgrpo_megatron.policy.output_layer import LastStageOutput
 from exgrpo_megatron.policy.policy import LossFn

@@ -18,15 +18,15 @@ from exgrpo_megatron.data.synthetic import arithmetic_split_datasets
 from exgrpo_megatron.data.token_cache import cached_prompt_dataset
 from exgrpo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from exgrpo_megatron.distributed.runtime import ParallelLayout
-from exgrpo_megatron.experience.phase import ExperienceSchedule
 from exgrpo_megatron.experience.response_store import ResponseStore
+from exgrpo_megatron.experience.schedule import ExperienceSchedule
 from exgrpo_megatron.experience.sharded import ShardedExperiencePool
 from exgrpo_megatron.policy.policy import Policy
 from exgrpo_megatron.reward.answer_check import require_parsable_answers
 from exgrpo_megatron.reward.grader import GraderPool
 from exgrpo_megatron.rollout.types import RolloutEngine, SamplingParams
-from exgrpo_megatron.rollout_service import RolloutService
-from exgrpo_megatron.step_observer import StepObservers
+from exgrpo_megatron.training.rollout_service import RolloutService
+from exgrpo_megatron.training.step_observer import StepObservers
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.components import Components
 from exgrpo_megatron.data.datasets import PromptDataset
 from exgrpo_megatron.data.step_plan import QuestionGroup, local_groups
 from exgrpo_megatron.rollout.types import SamplingParams
+from exgrpo_megatron.training.components import Components
 
 
 def validate_accuracy(c: Components, val_data: PromptDataset, step: int) -> dict[str, float]:

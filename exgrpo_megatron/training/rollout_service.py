@@ -2,7 +2,7 @@
 
 One owner of wake -> generate (each engine batch's groups go to a grading sink as soon as they finish, so
 grading overlaps generation) -> sleep, of the refit timing and of the sampling seeds. The training step,
-in-training validation and the generator process of a run generating ahead (ahead/generator.py) generate through
+in-training validation and the generator process of a run generating ahead (async_generation/) generate through
 it with the reward grader's sink (`StreamingGrading`, the grader pool); benchmark evaluation (evaluate.py) with its
 own (`BenchmarkSink`: boxed + Math-Verify labels per sample), inside one `awake()` span for all its engine calls.
 

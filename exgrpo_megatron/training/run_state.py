@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 import torch
 
-from exgrpo_megatron.ahead.schedule import AheadGeneration
 from exgrpo_megatron.checkpoint import (
     LoadedCheckpoint,
     check_room_for_checkpoint,
@@ -26,16 +25,17 @@ from exgrpo_megatron.checkpoint import (
 from exgrpo_megatron.checkpoint.lora_base import base_record
 from exgrpo_megatron.checkpoint.model_state import ensure_signal_proof_save_workers
 from exgrpo_megatron.checkpoint.pool_file import PoolFileError, export_store, import_store
-from exgrpo_megatron.components import Components
 from exgrpo_megatron.config.loader import to_yaml
 from exgrpo_megatron.config.resume_changes import check_resume_config
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.token_cache import tokenizer_fingerprint
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
-from exgrpo_megatron.experience.phase import legacy_state
+from exgrpo_megatron.experience.schedule import legacy_state
 from exgrpo_megatron.logging import MetricsLogger, ProgressBar, save_resolved_config
 from exgrpo_megatron.policy.warm_start import warm_start_weights
-from exgrpo_megatron.validation import validate_accuracy
+from exgrpo_megatron.training.async_generation.schedule import AheadGeneration
+from exgrpo_megatron.training.components import Components
+from exgrpo_megatron.training.heldout_accuracy import validate_accuracy
 
 
 class Stateful(Protocol):
@@ -122,7 +122,7 @@ class RunState:
     # ------------------------------------------------------------------ checkpoint
     def stateful_parts(self) -> dict[str, Stateful]:
         """The parts saved in the trainer state, by name: the experience schedule, the prompt sampler and,
-        generating ahead, the plans and rollouts in flight (ahead/schedule.py). The model, optimizer, LR schedule
+        generating ahead, the plans and rollouts in flight (async_generation/). The model, optimizer, LR schedule
         and RNGs go through checkpoint/, the pool's shards beside them (`save`)."""
         parts: dict[str, Stateful] = {"schedule": self.c.schedule, "sampler": self.c.sampler}
         if self.ahead is not None:
@@ -228,7 +228,7 @@ class RunState:
         before the first), say why the run stops (rank 0), return the requeue exit code."""
         assert self.preemption is not None, "RunState.start sets it"
         if step > 0:
-            self.save(step)  # generating ahead: gives up on a stopped or late generator (ahead/schedule.py)
+            self.save(step)  # generating ahead: gives up on a stopped or late generator (async_generation/schedule.py)
         if self.c.layout.rank == 0:
             why = why or (self.ahead.failure if self.ahead is not None and self.ahead.failure else "")
             print(self.preemption.stop_message(step, why), file=sys.stderr, flush=True)

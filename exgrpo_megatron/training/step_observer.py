@@ -18,13 +18,13 @@ if TYPE_CHECKING:
 
     from exgrpo_megatron.data.step_plan import QuestionGroup
     from exgrpo_megatron.distributed.runtime import ParallelLayout
-    from exgrpo_megatron.experience.phase import Phase
+    from exgrpo_megatron.experience.schedule import Phase
     from exgrpo_megatron.policy.batch import MicroBatch
     from exgrpo_megatron.policy.output_layer import LastStageOutput
     from exgrpo_megatron.policy.train_batch import RolloutRows, TrainBatch
     from exgrpo_megatron.rollout.group_filter import StepRollouts
     from exgrpo_megatron.rollout.types import Sample
-    from exgrpo_megatron.step_metrics import UpdateMetrics
+    from exgrpo_megatron.training.step_metrics import UpdateMetrics
 
 
 class StepObserver:

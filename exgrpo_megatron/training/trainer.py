@@ -18,18 +18,15 @@ from functools import partial
 
 import numpy as np
 
-from exgrpo_megatron.ahead.schedule import AheadGeneration
-from exgrpo_megatron.ahead.watch import EXIT_GENERATOR_FAILED, GeneratorFailed, PreemptedWhileWaiting
 from exgrpo_megatron.algo.loss import global_loss_counts
 from exgrpo_megatron.algo.protocol import GradedResponse, RLAlgorithm
 from exgrpo_megatron.algo.registry import build_algorithm
-from exgrpo_megatron.components import Components, build_components
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import QuestionGroup, compose_step, local_groups
 from exgrpo_megatron.distributed import collective_watch
 from exgrpo_megatron.distributed.preemption import PreemptionHandler
 from exgrpo_megatron.distributed.runtime import init_distributed
-from exgrpo_megatron.experience.phase import Phase, solved_fraction
+from exgrpo_megatron.experience.schedule import Phase, solved_fraction
 from exgrpo_megatron.experience.types import GroupOutcome
 from exgrpo_megatron.logging.startup import startup_block
 from exgrpo_megatron.policy.objective import rl_loss_fn
@@ -45,9 +42,16 @@ from exgrpo_megatron.reward.rollout_rewards import rewards_per_group
 from exgrpo_megatron.rollout.group_filter import StepRollouts, filter_and_refill
 from exgrpo_megatron.rollout.stored_responses import stored_outcomes, with_stored_responses
 from exgrpo_megatron.rollout.types import Sample
-from exgrpo_megatron.rollout_service import GeneratedGroups, step_seed
-from exgrpo_megatron.run_state import RunState
-from exgrpo_megatron.step_metrics import (
+from exgrpo_megatron.training.async_generation.schedule import AheadGeneration
+from exgrpo_megatron.training.async_generation.watch import (
+    EXIT_GENERATOR_FAILED,
+    GeneratorFailed,
+    PreemptedWhileWaiting,
+)
+from exgrpo_megatron.training.components import Components, build_components
+from exgrpo_megatron.training.rollout_service import GeneratedGroups, step_seed
+from exgrpo_megatron.training.run_state import RunState
+from exgrpo_megatron.training.step_metrics import (
     StepTimer,
     TrainMetrics,
     UpdateMetrics,
@@ -60,7 +64,7 @@ from exgrpo_megatron.step_metrics import (
     rollout_sums,
     step_summary,
 )
-from exgrpo_megatron.step_observer import StepObserver, StepObservers
+from exgrpo_megatron.training.step_observer import StepObserver, StepObservers
 
 
 def train_step(c: Components, state: RunState, step: int) -> dict[str, float | str]:
@@ -94,7 +98,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float | s
 
 
 def train_step_ahead(c: Components, ahead: AheadGeneration, state: RunState, step: int) -> dict[str, float | str]:
-    """One step generating ahead (ahead/schedule.py): take step t's rollouts -> pool + schedule -> ask for step
+    """One step generating ahead (async_generation/): take step t's rollouts -> pool + schedule -> ask for step
     t+s's (composed now, the current weights) -> batch -> pi_old -> update (the generator generates meanwhile)."""
     timer = StepTimer()
     for t in ahead.steps_to_plan(step):  # the run's first steps (all from the initial weights)
@@ -334,7 +338,7 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
         return 0
     except PreemptedWhileWaiting as exc:  # generating ahead: a signal while waiting for a stopped or late generator
         return state.stop_for_preemption(state.step, str(exc))
-    except GeneratorFailed as exc:  # generating ahead: the generator died or missed its deadline (ahead/watch.py)
+    except GeneratorFailed as exc:  # generating ahead: the generator died or missed its deadline (async_generation/)
         if state.step > 0:
             state.save(state.step)  # the last whole step; the in-flight plans without rollouts are asked for again
         print(f"exgrpo-train: {exc}", file=sys.stderr)

@@ -52,8 +52,8 @@ def weights_sha256(policy) -> str:
 
 def train_digest(overrides_: list[str]) -> dict | None:
     """run_training on this rank; rank 0 returns {"metrics": [...], "weights": sha256}."""
-    from exgrpo_megatron.step_observer import StepObserver
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.step_observer import StepObserver
+    from exgrpo_megatron.training.trainer import run_training
 
     kept: dict = {}
 

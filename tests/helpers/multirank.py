@@ -29,8 +29,8 @@ from exgrpo_megatron.distributed.launch_env import free_local_port
 # "fork_server": ranks fork from RANK_SERVER; "spawn": each rank a new interpreter, for code that relies on a process's
 # normal exit (vLLM's CPU workers unlink their shared-memory segments only then: tests/vllm/conftest.py).
 START_METHOD = "fork_server"
-PRELOAD = ["torch", "numpy", "transformers", "megatron.core", "exgrpo_megatron.trainer", "exgrpo_megatron.evaluate",
-           "tests.helpers.rank_processes"]
+PRELOAD = ["torch", "numpy", "transformers", "megatron.core", "exgrpo_megatron.training.trainer",
+           "exgrpo_megatron.evaluate", "tests.helpers.rank_processes"]
 RANK_SERVER = forkserver.ForkServer()
 RANK_SERVER.set_forkserver_preload(PRELOAD)
 

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
 
     from exgrpo_megatron.config.loader import load_config
     from exgrpo_megatron.config.validate import validate
-    from exgrpo_megatron.trainer import run_training
+    from exgrpo_megatron.training.trainer import run_training
     from tests.vllm.engines import write_tiny_hf_dir
 
     parser = argparse.ArgumentParser()

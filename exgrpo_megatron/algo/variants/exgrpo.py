@@ -33,7 +33,7 @@ from exgrpo_megatron.algo.registry import register
 from exgrpo_megatron.algo.surrogates import Surrogate, surrogate_class
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
 from exgrpo_megatron.config.validate import ConfigError
-from exgrpo_megatron.experience.phase import Phase
+from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.experience.types import GroupOutcome
 
 

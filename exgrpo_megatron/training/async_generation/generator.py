@@ -1,9 +1,9 @@
 """The generator process of a run generating ahead of training (`rollout.max_staleness` > 0).
 
-A process of its own (started by the trainer's global rank 0, ahead/schedule.py): its own one-rank world with a
+A process of its own (started by the trainer's global rank 0, schedule.py): its own one-rank world with a
 TP=1 copy of the policy's model (no optimizer), the configured rollout engine on it (`rollout.engine`: the
 megatron KV-cache engine, or vLLM refitted from this copy) and its own grader pool. It serves requests over the
-link (ahead/link.py) one at a time, in order: a request carries one step's question groups and, when the
+link (link.py) one at a time, in order: a request carries one step's question groups and, when the
 trainer's weights changed since the last request, those weights (full TP=1 tensors, bucket by bucket); the
 answer is the step's samples and rewards, generated at the step's own seed (rollout_service.py), so the rollouts
 of a step depend only on its groups and the weights it names -- never on timing.
@@ -11,7 +11,7 @@ of a step depend only on its groups and the weights it names -- never on timing.
 Signals: it ignores SIGTERM / SIGUSR1 / SIGINT as the grader's workers do -- Slurm signals every process of the job
 step at preemption, and the trainer, which handles them, still needs the generator to finish the step and the
 preemption save -- and it is killed when the trainer dies (distributed/lifetime.py). The trainer watches it
-(ahead/watch.py): a generator that dies or misses its deadline is named and the run stops.
+(watch.py): a generator that dies or misses its deadline is named and the run stops.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from exgrpo_megatron.ahead.link import GENERATOR, Link
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.data.step_plan import QuestionGroup
 from exgrpo_megatron.rollout.refit import unflatten
 from exgrpo_megatron.rollout.types import Sample
+from exgrpo_megatron.training.async_generation.link import GENERATOR, Link
 
 WeightBucket = tuple[list[tuple[str, tuple[int, ...]]], torch.dtype]  # ((name, full shape) of each tensor, dtype)
 
@@ -97,7 +97,6 @@ def serve(cfg: RootConfig, host: str, port: int, device_index: int | None, train
         os.sched_setaffinity(0, g.cpu_cores)
     if g.threads:
         torch.set_num_threads(g.threads)
-    from exgrpo_megatron.components import build_engine_for, step_settings
     from exgrpo_megatron.data.tokenizer import load_tokenizer
     from exgrpo_megatron.distributed.launch_env import LaunchEnv, free_local_port
     from exgrpo_megatron.distributed.runtime import destroy_distributed, init_distributed
@@ -105,7 +104,8 @@ def serve(cfg: RootConfig, host: str, port: int, device_index: int | None, train
     from exgrpo_megatron.model.param_layout import named_global_params
     from exgrpo_megatron.reward.grader import GraderPool
     from exgrpo_megatron.reward.rollout_rewards import rewards_per_group
-    from exgrpo_megatron.rollout_service import RolloutService
+    from exgrpo_megatron.training.components import build_engine_for, step_settings
+    from exgrpo_megatron.training.rollout_service import RolloutService
 
     own = LaunchEnv(0, 1, device_index or 0, "127.0.0.1", free_local_port(), "single")
     os.environ.update(MASTER_ADDR=own.master_addr, MASTER_PORT=str(own.master_port))  # not the trainer's world

@@ -1,4 +1,4 @@
-"""The link between the trainer's global rank 0 and the generator process (ahead/generator.py).
+"""The link between the trainer's global rank 0 and the generator process (generator.py).
 
 Its own two-rank gloo process group over a TCPStore at (host, port), separate from the training world, so
 neither side's collectives wait for the other's. Messages are pickled objects; weights travel as flat tensors

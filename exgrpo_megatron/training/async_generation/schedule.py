@@ -12,7 +12,7 @@ In flight at a checkpoint: the plans of steps t+1..t+s and their rollouts. Savin
 stores them with the plans in the checkpoint's trainer state, so a resumed run trains on exactly the rollouts an
 uninterrupted one would (they are never regenerated: the weights they came from are not in the checkpoint).
 
-Only the trainer's global rank 0 talks to the generator (ahead/link.py); it broadcasts each step's rollouts to
+Only the trainer's global rank 0 talks to the generator (link.py); it broadcasts each step's rollouts to
 every rank, and each DP rank trains on its share. The weights are gathered to full tensors by the ranks of DP
 replica 0 (rollout/refit.py), in the dtype they train in.
 """
@@ -32,16 +32,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.ahead.generator import RolloutRequest, RolloutResult, WeightBucket, serve
-from exgrpo_megatron.ahead.link import TRAINER, Link
-from exgrpo_megatron.ahead.watch import (
-    EXIT_GENERATOR_FAILED,
-    Deadline,
-    GeneratorFailed,
-    PreemptedWhileWaiting,
-    exit_text,
-    process_state,
-)
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.data.step_plan import QuestionGroup
@@ -51,6 +41,16 @@ from exgrpo_megatron.distributed.preemption import PreemptionHandler
 from exgrpo_megatron.experience.types import Trajectory
 from exgrpo_megatron.rollout.refit import iter_full_param_buckets
 from exgrpo_megatron.rollout.types import Sample
+from exgrpo_megatron.training.async_generation.generator import RolloutRequest, RolloutResult, WeightBucket, serve
+from exgrpo_megatron.training.async_generation.link import TRAINER, Link
+from exgrpo_megatron.training.async_generation.watch import (
+    EXIT_GENERATOR_FAILED,
+    Deadline,
+    GeneratorFailed,
+    PreemptedWhileWaiting,
+    exit_text,
+    process_state,
+)
 
 WEIGHT_BUCKET_BYTES = 256 << 20
 WATCH_SECONDS = 1.0  # how often the waiting trainer looks at the generator (alive? late?)
@@ -110,7 +110,7 @@ class AheadGeneration:
             self.thread.start()
 
     def watch_preemption(self, handler: PreemptionHandler) -> None:
-        """While waiting for the generator, act on a preemption signal this rank receives (ahead/watch.py)."""
+        """While waiting for the generator, act on a preemption signal this rank receives (watch.py)."""
         self.preemption = handler
 
     # ---------------------------------------------------------------- the schedule
@@ -136,7 +136,7 @@ class AheadGeneration:
 
     def take(self, step: int) -> tuple[Planned, RolloutResult]:
         """Step `step`'s plan and rollouts on every rank (rank 0 waits for them, then broadcasts). GeneratorFailed on
-        every rank when the generator died or missed its deadline (ahead/watch.py): the step stays planned."""
+        every rank when the generator died or missed its deadline (watch.py): the step stays planned."""
         for t in sorted(self.lost):  # a resumed run whose generator had failed: ask again, from the current weights
             self.lost.discard(t)
             self.submit(t, self.planned[t].phase, self.planned[t].groups, weights_step=step - 1)
@@ -176,7 +176,7 @@ class AheadGeneration:
 
     def _stop_waiting_if_preempted(self, step: int) -> None:
         """Rank 0 received a preemption signal and the generator is stopped or late: kill it, raise
-        PreemptedWhileWaiting (ahead/watch.py)."""
+        PreemptedWhileWaiting (watch.py)."""
         if self.preemption is None or not self.preemption.received:
             return
         late = None if self.busy_since is None else time.monotonic() - self.busy_since

@@ -1,6 +1,6 @@
 """Watching the generator process from the trainer: is it alive, is it late, and what to call it when it is not.
 
-The generator answers one request at a time (ahead/generator.py). The trainer measures each round -- the request sent,
+The generator answers one request at a time (generator.py). The trainer measures each round -- the request sent,
 its weights sent, the answer received -- and expects every answer within
 
     deadline = max(rollout.generator.deadline_min_seconds, rollout.generator.deadline_factor x the slowest round so far)
