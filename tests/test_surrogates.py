@@ -27,12 +27,13 @@ PPO_EPS = 0.04
 TIS_CAP = 1.5
 KL_COEF = 0.3
 ARMS = {  # name: (overrides, phase, on-policy)
-    "cispo": (("algo.name=cispo", f"algo.cispo_eps_low={EPS_LOW}", f"algo.cispo_eps_high={EPS_HIGH}"),
+    "cispo": (("algo.name=cispo", f"algo.settings.cispo_eps_low={EPS_LOW}", f"algo.settings.cispo_eps_high={EPS_HIGH}"),
               Phase.WARMUP, True),
-    "exgrpo_cispo_tis": (("algo.name=exgrpo", "algo.surrogate=cispo", f"algo.cispo_eps_low={EPS_LOW}",
-                          f"algo.cispo_eps_high={EPS_HIGH}", "algo.policy_shaping=false",
+    "exgrpo_cispo_tis": (("algo.name=exgrpo", "algo.surrogate=cispo", f"algo.settings.cispo_eps_low={EPS_LOW}",
+                          f"algo.settings.cispo_eps_high={EPS_HIGH}", "algo.policy_shaping=false",
                           f"algo.replay_tis_cap={TIS_CAP}"), Phase.MIXED, False),
-    "grpo_kl": (("algo.name=grpo_kl", f"algo.clip_ratio={PPO_EPS}", f"algo.kl_coef={KL_COEF}"), Phase.WARMUP, True),
+    "grpo_kl": (("algo.name=grpo_kl", f"algo.clip_ratio={PPO_EPS}", f"algo.settings.kl_coef={KL_COEF}"),
+                Phase.WARMUP, True),
 }
 
 

@@ -6,13 +6,16 @@ that ask for it in their own class (ExGRPO; GRPO, the paper's baseline) and of n
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import pytest
 
 from exgrpo_megatron.algo.registry import algorithm_class, algorithm_notes, build_algorithm, registered_names
+from exgrpo_megatron.algo.variants.cispo import CISPOWeight
 from exgrpo_megatron.algo.variants.grpo import GRPO
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.schema import AlgoConfig
@@ -44,20 +47,29 @@ def test_a_variant_without_replay_refuses_the_replay_keys_by_name():
 
 @pytest.mark.parametrize("overrides, key", [
     (("algo.name=cispo", "algo.clip_ratio=0.1"), "algo.clip_ratio"),  # CISPO's bounds are its own keys
-    (("algo.name=grpo", "algo.cispo_eps_high=1.0"), "algo.cispo_eps_high"),
+    (("algo.name=grpo", "algo.settings.cispo_eps_high=1.0"), "algo.settings.cispo_eps_high"),
     (("algo.name=rloo", "algo.adv_std_normalize=true"), "algo.adv_std_normalize"),  # RLOO has no std division
     (("algo.name=grpo", "algo.surrogate=cispo"), "algo.surrogate"),  # only ExGRPO composes a surrogate by name
     (("algo.name=grpo", "algo.max_refill_rounds=5"), "algo.max_refill_rounds"),  # no group filter
-    (("algo.name=exgrpo", "algo.kl_coef=0.1"), "algo.kl_coef"),  # read by the ppo_clip_kl surrogate only
+    (("algo.name=exgrpo", "algo.settings.kl_coef=0.1"), "algo.settings.kl_coef"),  # the ppo_clip_kl surrogate's
+    (("algo.name=exgrpo", "algo.surrogate=cispo", "algo.settings.kl_coef=0.1"), "algo.settings.kl_coef"),
+    (("algo.name=grpo_kl", "algo.settings.cispo_eps_low=0.1"), "algo.settings.cispo_eps_low"),  # CISPO's
+    (("algo.name=cispo", "algo.settings.eps_high=0.3"), "algo.settings.eps_high"),  # defined by no variant
+    (("algo.name=cispo", "algo.settings.cispo_eps_high=wide"), "algo.settings.cispo_eps_high"),  # a wrong type
+    (("algo.name=cispo", "algo.settings.cispo_eps_high=0"), "algo.settings.cispo_eps_high"),  # out of its range
 ])
 def test_a_key_the_variant_does_not_read_is_refused(overrides, key):
     assert _refused_keys(*overrides) == [key]
 
 
 def test_the_same_keys_are_accepted_where_they_are_read():
-    assert _build("algo.name=exgrpo", "algo.surrogate=ppo_clip_kl", "algo.kl_coef=0.1").surrogate.kl_coef == 0.1
+    kl = _build("algo.name=exgrpo", "algo.surrogate=ppo_clip_kl", "algo.settings.kl_coef=0.1").surrogate
+    assert kl.kl_coef == 0.1
     assert _build("algo.name=dapo", "algo.max_refill_rounds=5").filters_groups
-    assert _build("algo.name=exgrpo", "algo.surrogate=cispo", "algo.cispo_eps_high=1.0").surrogate.eps_high == 1.0
+    cispo = _build("algo.name=exgrpo", "algo.surrogate=cispo", "algo.settings.cispo_eps_high=1.0").surrogate
+    assert cispo.eps_high == 1.0
+    assert _build("algo.name=cispo", "algo.settings.cispo_eps_low=null").surrogate.eps_low is None
+    assert _build("algo.name=cispo", "algo.settings.cispo_eps_high=1").surrogate.eps_high == 1.0  # int -> float
     assert _refused_keys("algo.name=exgrpo", "algo.surrogate=no_such") == ["algo.surrogate"]
 
 
@@ -118,3 +130,45 @@ def test_cli_exits_2_naming_the_replay_key_for_gspo():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "algo.replay_tis_cap: 2.0 is not read by algo.name=gspo" in proc.stderr, proc.stderr[-2000:]
     assert "algo.policy_shaping: False is not read by algo.name=gspo" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_settings_keep_their_declared_defaults_and_old_flat_names_map_with_a_notice(capsys):
+    """No algo.settings in the config: each settings class's defaults (declared in the variant's file). The flat
+    names of before (algo.cispo_eps_*, algo.kl_coef) map to algo.settings.* with a notice, on the command line and
+    in a preset."""
+    assert _build("algo.name=cispo").surrogate == CISPOWeight(None, 0.28)
+    assert _build("algo.name=grpo_kl").surrogate.kl_coef == 0.04
+    assert load_config("demo_cpu").algo.settings == {}
+    capsys.readouterr()
+    assert _build("algo.name=cispo", "algo.cispo_eps_low=0.1", "algo.cispo_eps_high=0.5").surrogate == CISPOWeight(
+        0.1, 0.5)
+    assert _build("algo.name=grpo_kl", "algo.kl_coef=0.3").surrogate.kl_coef == 0.3
+    err = capsys.readouterr().err
+    for old in ("algo.cispo_eps_low", "algo.cispo_eps_high", "algo.kl_coef"):
+        assert f"{old} is now algo.settings.{old.split('.')[1]} (the old name is accepted" in err, err
+
+
+def test_a_settings_key_in_a_preset_and_its_old_flat_name_there(tmp_path, capsys):
+    """A preset may set algo.settings; the command line then replaces a key without `+`. A preset with an old flat
+    name maps it too."""
+    conf = tmp_path / "conf"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "conf", conf)
+    text = (conf / "demo_cpu.yaml").read_text()
+    (conf / "cispo_set.yaml").write_text(text.replace("algo:\n", "algo:\n  settings: {cispo_eps_high: 0.5}\n", 1))
+    (conf / "cispo_flat.yaml").write_text(text.replace("algo:\n", "algo:\n  cispo_eps_high: 0.6\n", 1))
+    assert load_config("cispo_set", [], config_dir=conf).algo.settings == {"cispo_eps_high": 0.5}
+    assert load_config("cispo_set", ["algo.settings.cispo_eps_high=0.7"], config_dir=conf).algo.settings == {
+        "cispo_eps_high": 0.7}
+    assert load_config("cispo_flat", [], config_dir=conf).algo.settings == {"cispo_eps_high": 0.6}
+    assert "algo.cispo_eps_high is now algo.settings.cispo_eps_high" in capsys.readouterr().err
+
+
+def test_cli_exits_2_naming_a_settings_key_the_variant_does_not_define():
+    proc = subprocess.run([sys.executable, "-m", "exgrpo_megatron.train", "--config-name", "demo_cpu",
+                           "algo.name=grpo", "algo.settings.kl_coef=0.1", "algo.settings.no_such_key=1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("algo.settings.kl_coef: 0.1 is not read by algo.name=grpo (a setting of the ppo_clip_kl surrogate"
+            in proc.stderr), proc.stderr[-2000:]
+    assert "algo.settings.no_such_key: 1 is not read by algo.name=grpo (no variant or surrogate defines it" in (
+        proc.stderr), proc.stderr[-2000:]

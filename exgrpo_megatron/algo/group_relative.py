@@ -8,6 +8,8 @@ Each variant declares the algo.* keys it reads (`algo_keys`, with its surrogate'
 fixes and why (`fixed_algo_keys`: the run says so at start-up when the config asks for another value) and the keys
 it leaves unused on purpose (`unused_algo_keys`: warned when set); any other algo.* key set to a value other than its
 default is refused at start-up, naming it (config/validate.py `algo_key_errors`, called by `registry.build_algorithm`).
+Its own knobs, which no other variant reads, are its settings (`settings_class`, `algo.settings.<key>`;
+algo/settings.py), declared and defaulted in its file.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from exgrpo_megatron.algo.advantages import group_advantages
 from exgrpo_megatron.algo.loss import TruncatedIS, loss_normalisers, truncated_is_weight
 from exgrpo_megatron.algo.loss_metrics import StepMetric, declared_metrics, metric_reduce_op, summarize_loss_metrics
 from exgrpo_megatron.algo.policy_loss import LossBatch, LossSpec, ReplayTerm, policy_loss
+from exgrpo_megatron.algo.settings import settings_classes
 from exgrpo_megatron.algo.surrogates import PPOClip, Surrogate
 from exgrpo_megatron.config.schema import AlgoConfig, ExperienceConfig
 from exgrpo_megatron.experience.response_store import ResponseReplay
@@ -70,10 +73,12 @@ class GroupRelative:
 
     @classmethod
     def algo_keys_read(cls, algo: AlgoConfig) -> frozenset[str]:
-        """Every algo.* key `from_config` reads: the variant's, its surrogate's, and `algo.max_refill_rounds` when
-        it filters groups (the trainer's refill, rollout/group_filter.py)."""
+        """Every algo.* key `from_config` reads: the variant's, its surrogate's, `algo.settings` when either has
+        settings of its own (algo/settings.py), and `algo.max_refill_rounds` when it filters groups (the trainer's
+        refill, rollout/group_filter.py)."""
         keys = cls.algo_keys | cls.surrogate_class(algo).algo_keys
         keys |= {"entropy_microbatches_ref"} if cls.entropy_reference else set()
+        keys |= {"settings"} if settings_classes(cls, algo) else set()
         return keys | {"max_refill_rounds"} if cls.filters_groups else keys
 
     @classmethod

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from exgrpo_megatron.algo.protocol import RLAlgorithm
+from exgrpo_megatron.algo.settings import setting_keys, settings_classes, settings_errors
+from exgrpo_megatron.algo.surrogates import surrogate_class, surrogate_names
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
 from exgrpo_megatron.config.validate import ConfigError, algo_key_errors, algo_key_notes
 
@@ -86,15 +88,30 @@ def _unused(variant: Any, a: AlgoConfig) -> dict[str, str]:
     return {key: why for key, why in variant.unused_algo_keys.items() if key not in read}
 
 
+def _settings_owners() -> dict[str, str]:
+    """Every declared setting's key -> who declares it (for the message refusing it to another variant)."""
+    owners: dict[str, str] = {}
+    for name in surrogate_names():
+        for key in setting_keys(settings_classes(surrogate_class(name), AlgoConfig())):
+            owners.setdefault(key, f"the {name} surrogate")
+    for name in registered_names():
+        own = getattr(_REGISTRY[name], "settings_class", None)
+        for key in setting_keys((own,) if own is not None else ()):
+            owners.setdefault(key, f"algo.name={name}")
+    return owners
+
+
 def build_algorithm(a: AlgoConfig, t: TrainerConfig, max_response_length: int) -> RLAlgorithm:
     """The algorithm `algo.name` selects, built from the config values it reads; ConfigError naming algo.name
-    when it names none, naming every algo.* key set that the variant does not read and the variant's own
-    relation errors (the training CLI exits 2 before building anything else)."""
+    when it names none, naming every algo.* key set that the variant does not read, the variant's own relation
+    errors and every `algo.settings.<key>` it does not define or gets wrong (algo/settings.py; the training CLI
+    exits 2 before building anything else)."""
     cls = _selected_class(a)
     if _declares_keys(cls):
         variant = cast(Any, cls)
         errors = algo_key_errors(a, variant.algo_keys_read(a), variant.fixed_algo_keys, _unused(variant, a))
         errors += variant.config_errors(a)
+        errors += settings_errors(a, settings_classes(variant, a), _settings_owners())
         if errors:
             raise ConfigError(errors)
     algorithm = cls.from_config(a.name, a, t, max_response_length)

@@ -9,7 +9,8 @@ that changes the surrogate changes it for every token it trains.
 
 Registered by name (`register_surrogate`, `surrogate_class`): `ppo_clip` here; a variant's file registers its own
 (algo/variants/cispo.py: `cispo`). Each surrogate class declares the algo.* keys it reads (`algo_keys`) and reads
-them in `from_config`.
+them in `from_config`; knobs of its own are its settings (`settings_class`, `algo.settings.<key>`, algo/settings.py),
+declared in its file.
 """
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ def register_surrogate(name: str) -> Callable[[S], S]:
         _SURROGATES[name] = cast(type[Surrogate], cls)
         return cls
     return add
+
+
+def surrogate_names() -> list[str]:
+    """Every registered surrogate's name (the variants' files imported first)."""
+    from exgrpo_megatron.algo import variants
+
+    variants.import_all()
+    return sorted(_SURROGATES)
 
 
 def surrogate_class(name: str) -> type[Surrogate]:

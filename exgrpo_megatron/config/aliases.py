@@ -25,6 +25,10 @@ RENAMED_KEYS: dict[str, str] = {
     "trainer.exp_bucket_sigma": "experience.bucket_sigma",
     "trainer.exp_max_trajectories_per_question": "experience.max_trajectories_per_question",
     "trainer.exp_select_mode": "experience.select_mode",
+    # a variant's own settings moved into its file (algo/settings.py): algo.settings.<key>
+    "algo.cispo_eps_low": "algo.settings.cispo_eps_low",
+    "algo.cispo_eps_high": "algo.settings.cispo_eps_high",
+    "algo.kl_coef": "algo.settings.kl_coef",
 }
 _OVERRIDE_PREFIXES = ("++", "+", "~")
 

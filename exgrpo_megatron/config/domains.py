@@ -109,8 +109,6 @@ DOMAINS: dict[str, Domain] = {
     "algo.max_refill_rounds": NON_NEGATIVE,  # 0 = a dropped group is not replaced
     "algo.fresh_is_cap": NON_NEGATIVE,  # 0 = no truncated IS on fresh tokens
     "algo.replay_tis_cap": NON_NEGATIVE,  # 0 = exgrpo: replayed tokens through f(w) (or w); ingroup/rescue_replay: 2
-    "algo.cispo_eps_low": Domain(lo=0, none_ok=True),  # None = no lower bound; >= 1 bounds nothing either
-    "algo.cispo_eps_high": POSITIVE, "algo.kl_coef": NON_NEGATIVE,
     # trainer
     "trainer.total_steps": AT_LEAST_1, "trainer.train_batch_size": AT_LEAST_1,
     "trainer.ppo_mini_batch_size": AT_LEAST_1, "trainer.micro_batch_max_tokens": AT_LEAST_1,

@@ -5,7 +5,8 @@
 Hydra's override grammar applies (`key=value`, `+new=value`, `++key=value`, `~key`). The composed
 YAML is merged into the typed `RootConfig`: an unknown key or a value of the wrong type fails here
 with the full key; `validate()` then checks the relations between keys. Renamed keys are accepted under their
-old names for one release (config/aliases.py).
+old names for one release (config/aliases.py). A variant's own settings (`algo.settings.<key>`, algo/settings.py)
+take no `+`: `free_form_overrides` adds it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def compose(config_name: str, overrides: list[str] | None = None, config_dir: Pa
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            composed = hydra_compose(config_name=config_name, overrides=rename_overrides(list(overrides or [])))
+            composed = hydra_compose(config_name=config_name,
+                                     overrides=free_form_overrides(rename_overrides(list(overrides or []))))
             return rename_composed(composed)
     except (HydraException, OmegaConfBaseException) as exc:
         cause = exc.__cause__
@@ -50,6 +52,16 @@ def compose(config_name: str, overrides: list[str] | None = None, config_dir: Pa
         raise ConfigError([f"{key or config_name}: {message}"]) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+# The free-form mappings of the config: their keys are not in conf/, so an override adds or replaces one (`++`)
+FREE_FORM_PREFIXES = ("algo.settings.",)
+
+
+def free_form_overrides(overrides: list[str]) -> list[str]:
+    """`algo.settings.<key>=value` written as `++algo.settings.<key>=value`: a variant's setting is set on the
+    command line without `+` (algo/settings.py checks the key against the variant at start-up)."""
+    return [f"++{item}" if item.startswith(FREE_FORM_PREFIXES) else item for item in overrides]
 
 
 def presets(config_dir: Path | str | None = None) -> list[str]:

@@ -9,7 +9,7 @@ relations between fields at start-up, before any process group exists, naming th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from exgrpo_megatron.config.families import FAMILIES
 
@@ -146,9 +146,8 @@ class AlgoConfig:
     max_refill_rounds: int = 3  # extra generation rounds refilling groups the algorithm's filter dropped
     fresh_is_cap: float = 0.0  # fresh tokens x min(pi_old / pi_behaviour, cap) (truncated IS); 0 = off
     surrogate: str = "ppo_clip"  # algo.name=exgrpo: the surrogate by name (algo/surrogates.py): ppo_clip | cispo | ...
-    cispo_eps_low: Optional[float] = None  # CISPO's weight >= 1 - this; None = no lower bound (MiniMax-M1)
-    cispo_eps_high: float = 0.28  # CISPO's weight <= 1 + this
-    kl_coef: float = 0.04  # algo.name=grpo_kl: beta of the k3 KL penalty against pi_old (DeepSeekMath: 0.04)
+    # the selected variant's own settings, declared in its file (algo/settings.py; e.g. algo/variants/cispo.py)
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

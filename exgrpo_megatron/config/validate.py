@@ -145,10 +145,11 @@ TRAINER_ALGO_KEYS = frozenset({"name", "old_logprobs", "skip_grad_bound", "max_c
 
 
 def _set_keys(algo: AlgoConfig) -> dict[str, Any]:
-    """The algo.* keys whose value is not the schema's default (set by the preset or the command line)."""
+    """The algo.* keys whose value is not the schema's default (set by the preset or the command line); not
+    `algo.settings`, whose keys are checked one by one against the variant's settings (algo/settings.py)."""
     default = AlgoConfig()
     return {f.name: getattr(algo, f.name) for f in fields(AlgoConfig)
-            if getattr(algo, f.name) != getattr(default, f.name)}
+            if f.name != "settings" and getattr(algo, f.name) != getattr(default, f.name)}
 
 
 def algo_key_errors(algo: AlgoConfig, read: frozenset[str], fixed: Mapping[str, tuple[Any, str]],

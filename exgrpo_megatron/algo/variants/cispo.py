@@ -4,7 +4,8 @@ weight, not the update. Per token, with r = pi_theta / pi_old and sg the stop-gr
     l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi_theta(o_t),
 
 aggregated over all tokens of the batch (token mean): every token keeps a gradient, the weight only bounds how much.
-The paper sets no lower bound (eps_low large): `algo.cispo_eps_low=null`; it tunes eps_high, `algo.cispo_eps_high`.
+The paper sets no lower bound (eps_low large): `algo.settings.cispo_eps_low=null`, the default; it tunes eps_high,
+`algo.settings.cispo_eps_high`. Both are CISPO's own settings (`CISPOSettings` below, algo/settings.py).
 
 The surrogate (`CISPOWeight`, registered as `cispo`) computes the per-token loss as
 -sg(w) * A * (1 + log r - sg(log r)): the same gradient, -w A grad log pi_theta, with the value -w A (PPO's -A rho
@@ -25,9 +26,23 @@ import torch
 
 from exgrpo_megatron.algo.loss_metrics import StepMetric
 from exgrpo_megatron.algo.registry import register
+from exgrpo_megatron.algo.settings import VariantSettings, read_settings
 from exgrpo_megatron.algo.surrogates import Surrogate, SurrogateInputs, SurrogateLoss, register_surrogate
 from exgrpo_megatron.algo.variants.grpo import GRPO
+from exgrpo_megatron.config.domains import POSITIVE, Domain
 from exgrpo_megatron.config.schema import AlgoConfig
+
+
+@dataclass(frozen=True)
+class CISPOSettings(VariantSettings):
+    """`algo.settings.*` of the cispo surrogate (algo.name=cispo, or exgrpo with algo.surrogate=cispo)."""
+
+    cispo_eps_low: float | None = None  # IS weight >= 1 - this; None = no lower bound (MiniMax-M1's choice)
+    cispo_eps_high: float = 0.28  # IS weight <= 1 + this (the paper tunes it, giving no value; DAPO's clip-higher)
+    domains: ClassVar[Mapping[str, Domain]] = {
+        "cispo_eps_low": Domain(lo=0, none_ok=True),  # >= 1 bounds nothing either
+        "cispo_eps_high": POSITIVE,
+    }
 
 
 @register_surrogate("cispo")
@@ -37,7 +52,8 @@ class CISPOWeight:
 
     eps_low: float | None
     eps_high: float
-    algo_keys: ClassVar[frozenset[str]] = frozenset({"cispo_eps_low", "cispo_eps_high"})
+    algo_keys: ClassVar[frozenset[str]] = frozenset()
+    settings_class: ClassVar[type[CISPOSettings]] = CISPOSettings
     metrics: ClassVar[tuple[StepMetric, ...]] = (
         StepMetric("loss/cispo_weight_clip_fraction", "cispo_weight_clipped_count", "fresh_token_count",
                    "fraction of fresh tokens whose IS weight r a CISPO bound caps (their gradient is kept, "
@@ -46,7 +62,8 @@ class CISPOWeight:
 
     @classmethod
     def from_config(cls, algo: AlgoConfig) -> CISPOWeight:
-        return cls(algo.cispo_eps_low, algo.cispo_eps_high)
+        settings = read_settings(CISPOSettings, algo)
+        return cls(settings.cispo_eps_low, settings.cispo_eps_high)
 
     def token_loss(self, inputs: SurrogateInputs, trust_region: bool) -> SurrogateLoss:
         log_r = inputs.log_ratio
