@@ -149,16 +149,16 @@ def test_settings_keep_their_declared_defaults_and_old_flat_names_map_with_a_not
 
 
 def test_a_settings_key_in_a_preset_and_its_old_flat_name_there(tmp_path, capsys):
-    """A preset may set algo.settings; the command line then replaces a key without `+`. A preset with an old flat
-    name maps it too."""
+    """A preset may set algo.settings; the command line replaces a key or adds one without `+`. A preset with an old
+    flat name maps it too."""
     conf = tmp_path / "conf"
     shutil.copytree(Path(__file__).resolve().parents[1] / "conf", conf)
     text = (conf / "demo_cpu.yaml").read_text()
     (conf / "cispo_set.yaml").write_text(text.replace("algo:\n", "algo:\n  settings: {cispo_eps_high: 0.5}\n", 1))
     (conf / "cispo_flat.yaml").write_text(text.replace("algo:\n", "algo:\n  cispo_eps_high: 0.6\n", 1))
     assert load_config("cispo_set", [], config_dir=conf).algo.settings == {"cispo_eps_high": 0.5}
-    assert load_config("cispo_set", ["algo.settings.cispo_eps_high=0.7"], config_dir=conf).algo.settings == {
-        "cispo_eps_high": 0.7}
+    assert load_config("cispo_set", ["algo.settings.cispo_eps_high=0.7", "algo.settings.cispo_eps_low=0.1"],
+                       config_dir=conf).algo.settings == {"cispo_eps_high": 0.7, "cispo_eps_low": 0.1}
     assert load_config("cispo_flat", [], config_dir=conf).algo.settings == {"cispo_eps_high": 0.6}
     assert "algo.cispo_eps_high is now algo.settings.cispo_eps_high" in capsys.readouterr().err
 
