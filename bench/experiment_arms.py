@@ -79,8 +79,8 @@ def scarce_arms(questions: int) -> dict[str, list[str]]:
         "grpo": ["algo.name=grpo"],
         "grpo_extra_pass": ["algo.name=grpo", "trainer.update_epochs=2"],
         "ingroup_replay": ["algo.name=ingroup_replay", "experience.ingroup_size=8", "experience.ingroup_failures=true",
-                           f"experience.max_age_steps={stale_steps}", "algo.replay_tis_cap=2"],
-        "rescue_replay": ["algo.name=rescue_replay", "algo.replay_tis_cap=2"],
+                           f"experience.max_age_steps={stale_steps}", "algo.settings.replay_tis_cap=2"],
+        "rescue_replay": ["algo.name=rescue_replay", "algo.settings.replay_tis_cap=2"],
         "exgrpo_append": RECIPES["append_rho_0.25"],
     }
 

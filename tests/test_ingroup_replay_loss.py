@@ -26,7 +26,7 @@ V, H, K, R = 16, 4, 3, 3
 CLIP, CAP = 0.1, 1.5
 MAX_TOKENS = 24  # several sequences per packed row, several micro-batches
 QIDS = list(range(7))
-OVERRIDES = ["algo.name=ingroup_replay", f"algo.clip_ratio={CLIP}", f"algo.replay_tis_cap={CAP}",
+OVERRIDES = ["algo.name=ingroup_replay", f"algo.clip_ratio={CLIP}", f"algo.settings.replay_tis_cap={CAP}",
              "algo.fresh_is_cap=0", f"experience.ingroup_size={R}"]
 
 

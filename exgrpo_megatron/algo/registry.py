@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any, TypeVar, cast
 
 from exgrpo_megatron.algo.protocol import RLAlgorithm
-from exgrpo_megatron.algo.settings import setting_keys, settings_classes, settings_errors
+from exgrpo_megatron.algo.settings import (
+    flat_key_notes,
+    read_settings,
+    setting_keys,
+    settings_classes,
+    settings_errors,
+)
 from exgrpo_megatron.algo.surrogates import surrogate_class, surrogate_names
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
 from exgrpo_megatron.config.validate import ConfigError, algo_key_errors, algo_key_notes
@@ -77,9 +84,20 @@ def _declares_keys(cls: type) -> bool:
 
 def algorithm_notes(a: AlgoConfig) -> list[str]:
     """What the start-up block says about the config for the selected variant: keys it overrides or leaves unused
-    (config/validate.py `algo_key_notes`)."""
+    (config/validate.py `algo_key_notes`), settings given under their former flat name (algo/settings.py)."""
     cls = cast(Any, _selected_class(a))
-    return algo_key_notes(a, cls.fixed_algo_keys, _unused(cls, a)) if _declares_keys(cls) else []
+    if not _declares_keys(cls):
+        return []
+    return algo_key_notes(a, cls.fixed_algo_keys, _unused(cls, a)) + flat_key_notes(settings_classes(cls, a), a)
+
+
+def settings_in_effect(a: AlgoConfig) -> dict[str, Any]:
+    """The selected variant's settings (algo/settings.py) with the values it trains with: those set, and the declared
+    defaults of the others (the start-up block shows them). Assumes `build_algorithm` accepted the config."""
+    cls = cast(Any, _selected_class(a))
+    classes = settings_classes(cls, a) if _declares_keys(cls) else ()
+    return {f.name: getattr(settings, f.name) for settings in (read_settings(c, a) for c in classes)
+            for f in fields(settings)}
 
 
 def _unused(variant: Any, a: AlgoConfig) -> dict[str, str]:

@@ -108,7 +108,7 @@ DOMAINS: dict[str, Domain] = {
     "algo.entropy_microbatches_ref": POSITIVE,
     "algo.max_refill_rounds": NON_NEGATIVE,  # 0 = a dropped group is not replaced
     "algo.fresh_is_cap": NON_NEGATIVE,  # 0 = no truncated IS on fresh tokens
-    "algo.replay_tis_cap": NON_NEGATIVE,  # 0 = exgrpo: replayed tokens through f(w) (or w); ingroup/rescue_replay: 2
+    "algo.replay_tis_cap": NON_NEGATIVE,  # 0 = exgrpo: replayed tokens through f(w) (or w)
     # trainer
     "trainer.total_steps": AT_LEAST_1, "trainer.train_batch_size": AT_LEAST_1,
     "trainer.ppo_mini_batch_size": AT_LEAST_1, "trainer.micro_batch_max_tokens": AT_LEAST_1,

@@ -135,7 +135,7 @@ class AlgoConfig:
     loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean | seq_mean
     replay_is_correction: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs (was exp_is_correct)
     replay_tis_cap: float = 0.0  # > 0: replayed tokens train as fresh ones x min(pi_old / pi_past, cap); 0 = f(w)
-    # (algo.name=ingroup_replay / rescue_replay: 0 = a cap of 2, algo/variants/ingroup_replay.py)
+    # (algo.name=ingroup_replay / rescue_replay: their setting algo.settings.replay_tis_cap, this the former name)
     old_logprobs: str = "auto"  # auto | rollout | training_forward | recompute (config/pi_old_source.py)
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20

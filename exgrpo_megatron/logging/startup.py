@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from exgrpo_megatron.algo.protocol import RLAlgorithm
-from exgrpo_megatron.algo.registry import algorithm_notes
+from exgrpo_megatron.algo.registry import algorithm_notes, settings_in_effect
 from exgrpo_megatron.config.derived import resolve_params_dtype
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.cpu_warnings import cpu_run_banner
@@ -18,7 +18,8 @@ PREFIX = "exgrpo-train: "
 
 def startup_block(cfg: RootConfig, layout: ParallelLayout, algorithm: RLAlgorithm) -> str:
     """A few lines: the CPU banner and precision (CPU only), run dir, parallel layout, steps and validation, the
-    algorithm and what it replays, where the rollouts come from (in the step, or generated ahead), LoRA when on."""
+    algorithm with its own settings in effect (algo/settings.py) and what it replays, where the rollouts come from
+    (in the step, or generated ahead), LoRA when on."""
     lines = []
     if layout.device.type == "cpu":
         m = cfg.model
@@ -33,7 +34,8 @@ def startup_block(cfg: RootConfig, layout: ParallelLayout, algorithm: RLAlgorith
     lines.append(f"{t.total_steps} steps of {t.train_batch_size} prompts x {cfg.rollout.n} rollouts; {val}")
     rule = algorithm.response_replay(cfg.experience)
     replay = replay_line(cfg, algorithm.uses_pool) if rule is None else response_replay_line(cfg, rule)
-    lines += [f"algorithm {cfg.algo.name}; {replay}",
+    settings = ", ".join(f"{key}={value!r}" for key, value in settings_in_effect(cfg.algo).items())
+    lines += [f"algorithm {cfg.algo.name}{f' (settings: {settings})' if settings else ''}; {replay}",
               *(f"note: {note}" for note in algorithm_notes(cfg.algo)), generation_line(cfg)]
     lo = cfg.lora
     if lo.rank > 0:

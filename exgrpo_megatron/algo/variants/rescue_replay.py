@@ -2,8 +2,9 @@
 which a fresh group whose K responses ALL fail gains ONE stored success of its question (the newest), so the group
 has a non-zero advantage; every other group is GRPO's. The stored success trains as in-group replay's replayed rows
 (algo/variants/ingroup_replay.py): advantages over the K + 1 rows, the fresh-token loss x min(pi_old / pi_recorded,
-`algo.replay_tis_cap`) (0: 2), and `experience.max_age_steps` drops old successes. The response store keeps one
-success per question (the newest); nothing is generated for it.
+C), C its setting `algo.settings.replay_tis_cap` (2 by default; in-group replay's settings), and
+`experience.max_age_steps` drops old successes. The response store keeps one success per question (the newest);
+nothing is generated for it.
 """
 
 from __future__ import annotations
