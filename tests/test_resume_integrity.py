@@ -121,6 +121,23 @@ def test_a_checkpoint_config_under_renamed_keys_compares_as_the_new_names():
     assert check_resume_config(yaml.safe_dump(tree), cfg, "ckpt") == []
 
 
+def test_a_checkpoint_config_with_the_flat_variant_settings_compares_as_the_settings():
+    """A checkpoint written before algo.settings recorded cispo_eps_low/high and kl_coef as flat algo.* keys (at their
+    defaults unless set): unset now, they announce no change; set now, they compare as algo.settings.*."""
+    import dataclasses
+
+    import yaml
+
+    cfg = load_config("demo_cpu", ["algo.name=cispo"])
+    tree = dataclasses.asdict(cfg)
+    tree["algo"].pop("settings")
+    tree["algo"].update(cispo_eps_low=None, cispo_eps_high=0.28, kl_coef=0.04)
+    assert check_resume_config(yaml.safe_dump(tree), cfg, "ckpt") == []
+    changed = load_config("demo_cpu", ["algo.name=cispo", "algo.settings.cispo_eps_high=0.5"])
+    assert check_resume_config(yaml.safe_dump(tree), changed, "ckpt") == [
+        "algo.settings.cispo_eps_high: 0.28 -> 0.5 (applied)"]
+
+
 def _flip(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01

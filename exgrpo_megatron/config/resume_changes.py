@@ -44,10 +44,14 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def config_differences(saved_yaml: str, cfg: RootConfig) -> dict[str, tuple[Any, Any]]:
     """{key: (checkpoint value, current value)} of every leaf that differs (a key on one side only included). A
     checkpoint written before a key was renamed has it under the old name (config/aliases.py): compared as the new;
-    one written before a key existed ran at the key's default: compared as that."""
+    one written before a key existed ran at the key's default: compared as that. A checkpoint written before a
+    variant's settings moved into `algo.settings` recorded every one of them under its flat name, set or not: such a
+    key that this config does not set is not compared (the variant's declared default applies, algo/settings.py)."""
     saved = flatten(dataclasses.asdict(RootConfig()))
-    saved.update({RENAMED_KEYS.get(k, k): v for k, v in flatten(yaml.safe_load(saved_yaml) or {}).items()})
+    saved_tree = flatten(yaml.safe_load(saved_yaml) or {})
     current = flatten(dataclasses.asdict(cfg))
+    saved.update({RENAMED_KEYS.get(k, k): v for k, v in saved_tree.items()
+                  if not RENAMED_KEYS.get(k, k).startswith("algo.settings.") or RENAMED_KEYS[k] in current})
     missing = object()
     out = {}
     for key in sorted(set(saved) | set(current)):
