@@ -195,6 +195,21 @@ def test_invalid_lora_settings_name_the_key(override, key):
     assert not all_errors(load_config("demo_cpu", LORA), world_size=1, check_paths=False)
 
 
+@pytest.mark.parametrize("layer_spec, te_available, rank, refused", [
+    ("auto", True, RANK, True),  # a GPU with Transformer Engine: auto builds TE's linears, which have no adapters
+    ("auto", False, RANK, False), ("local", True, RANK, False), ("te", False, RANK, True), ("auto", True, 0, False),
+])
+def test_a_layer_spec_resolving_to_te_is_refused_with_adapters(layer_spec, te_available, rank, refused):
+    from exgrpo_megatron.config.derived import resolve_layer_spec
+    from exgrpo_megatron.config.validate import lora_errors
+
+    cfg = load_config("demo_cpu", [f"lora.rank={rank}", f"model.layer_spec={layer_spec}"])
+    assert resolve_layer_spec(cfg.model, te_available) == ("te" if layer_spec == "te" or (
+        layer_spec == "auto" and te_available) else "local")  # the builder's resolver, given the machine
+    errors = [e for e in lora_errors(cfg, te_available) if e.startswith("model.layer_spec:")]
+    assert bool(errors) == refused, errors
+
+
 def _weights_round_trip(overrides: list[str], save_to: str | None, load_from: str | None) -> dict:
     """Save this layout's policy (B drawn non-zero) as weights-only, or load one saved at another layout."""
     from exgrpo_megatron.checkpoint import model_config_to_yaml
