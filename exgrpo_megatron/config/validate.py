@@ -216,9 +216,6 @@ def lora_errors(cfg: RootConfig, te_available: bool | None = None) -> list[str]:
         return e
     if not lo.targets:
         e.append(f"lora.targets: empty with lora.rank={lo.rank}: name the linears to adapt, e.g. {list(LORA_TARGETS)}")
-    if cfg.rollout.max_staleness > 0:
-        e.append("rollout.max_staleness: > 0 with lora.rank > 0: the generator process's copy of the policy does not "
-                 "receive the adapters yet; use 0")
     if resolve_layer_spec(cfg.model, te_available) == "te":
         chosen = "te" if cfg.model.layer_spec == "te" else "auto, resolved to te here (Transformer Engine and CUDA),"
         e.append(f"model.layer_spec: {chosen} with lora.rank > 0: the adapters wrap the local spec's linears; set "
