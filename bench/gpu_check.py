@@ -117,8 +117,8 @@ def environment() -> dict:
         out["transformer_engine"] = "imports"
     except (ImportError, RuntimeError) as exc:
         out["transformer_engine"] = f"does not import: {exc!r}"
+    from exgrpo_megatron.config.derived import resolve_layer_spec
     from exgrpo_megatron.config.loader import load_config
-    from exgrpo_megatron.model.builder import resolve_layer_spec
 
     spec = resolve_layer_spec(load_config("demo_cpu", []).model)
     out["layer_spec_auto"] = spec

@@ -11,7 +11,7 @@ import pytest
 
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import ConfigError, validate
-from exgrpo_megatron.model.builder import transformer_engine_available
+from exgrpo_megatron.machine.transformer_engine import transformer_engine_available
 
 
 def _errors(name: str, overrides: list[str], world_size: int = 8) -> str:
@@ -74,7 +74,7 @@ def test_transformer_engine_is_absent_on_cpu():
     # A half-installed TE raises RuntimeError through megatron's `except ImportError` guards.
     assert importlib.util.find_spec("transformer_engine") is None
     assert transformer_engine_available() is False
-    from exgrpo_megatron.model.builder import resolve_layer_spec
+    from exgrpo_megatron.config.derived import resolve_layer_spec
 
     assert resolve_layer_spec(load_config("demo_cpu").model) == "local"
 

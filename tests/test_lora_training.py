@@ -180,6 +180,19 @@ def test_lora_init_from_a_peft_adapter_starts_the_run_from_it(tmp_path):
     assert "lora.rank: 8: the adapter at" in proc.stderr, proc.stderr
 
 
+def test_lora_generating_ahead_samples_from_the_adapted_policy(tmp_path):
+    """The generator process (rollout.max_staleness=1) receives the adapted linears' merged weights: at step 1 (both
+    at the initial weights, B non-zero from a PEFT adapter) its log-probs equal the trainer's."""
+    overrides = _overrides(str(tmp_path / "a"), extra=(*LORA, "trainer.total_steps=2", "rollout.max_staleness=1",
+                                                       "algo.fresh_is_cap=2.0"))
+    _peft_dir_for_the_demo(str(tmp_path / "peft"), overrides)
+    run = run_on_ranks(_train_watched, 1, args=([*overrides, f"lora.init_from={tmp_path / 'peft'}"], 2))[0]
+    first = run["logged"][0]
+    assert first["rollout/staleness"] == 0.0, first
+    assert abs(first["mismatch/token_mult_prob_error"] - 1.0) < 1e-5, first["mismatch/token_mult_prob_error"]
+    assert any(is_adapter(n) and not torch.equal(t, run["last"][n]) for n, t in run["first"].items())
+
+
 def _save_full_model(overrides: list[str], out_dir: str) -> dict[str, torch.Tensor]:
     """A full fine-tuning policy's weights (perturbed from their init) as a sealed weights-only dir."""
     from exgrpo_megatron.checkpoint import model_config_to_yaml

@@ -2,8 +2,8 @@
 
 The model builder, the checkpoint converter, the dry run and validation all pad the vocabulary the same
 way; the builder, the vLLM engine factory and validation resolve `model.params_dtype=auto` and
-`rollout.vllm.dtype` the same way. They live here, at the bottom layer, so config/ imports nothing
-above it (model/ and rollout/ import these).
+`rollout.vllm.dtype` the same way, and the builder, the policy and validation `model.layer_spec=auto`. They live
+here, at the bottom layer, so config/ imports nothing above it (model/ and rollout/ import these).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from exgrpo_megatron.config.schema import ModelConfig, TrainerConfig
 from exgrpo_megatron.machine.cpu_precision import cpu_auto_is_bf16, this_cpu_bf16_unit
+from exgrpo_megatron.machine.transformer_engine import transformer_engine_available
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,16 @@ def resolve_params_dtype(cfg: ModelConfig) -> torch.dtype:
             return torch.bfloat16
         return torch.bfloat16 if cpu_auto_is_bf16(this_cpu_bf16_unit(), cfg.hidden_size) else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.params_dtype]
+
+
+def resolve_layer_spec(cfg: ModelConfig, te_available: bool | None = None) -> str:
+    """`model.layer_spec`: auto = te where Transformer Engine imports with CUDA present (`te_available`; None:
+    ask this machine), else local."""
+    if cfg.layer_spec != "auto":
+        return cfg.layer_spec
+    if te_available is None:
+        te_available = transformer_engine_available()
+    return "te" if te_available else "local"
 
 
 def vllm_dtype(setting: str, policy_dtype: torch.dtype) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from exgrpo_megatron.config.derived import padded_vocab_size
+from exgrpo_megatron.config.derived import padded_vocab_size, resolve_layer_spec
 from exgrpo_megatron.config.domains import domain_errors, path_errors
 from exgrpo_megatron.config.families import FAMILIES
 from exgrpo_megatron.config.model_function import allow_model_changes_errors
@@ -204,8 +204,9 @@ def staleness_errors(cfg: RootConfig) -> list[str]:
     return e
 
 
-def lora_errors(cfg: RootConfig) -> list[str]:
-    """LoRA's targets, and what it does not support yet (model/lora.py, docs/lora.md)."""
+def lora_errors(cfg: RootConfig, te_available: bool | None = None) -> list[str]:
+    """LoRA's targets, and what it does not support yet (model/lora.py, docs/lora.md). `te_available`: whether
+    Transformer Engine runs here, which `model.layer_spec=auto` resolves by (None: ask this machine)."""
     lo, e = cfg.lora, list[str]()
     unknown = [t for t in lo.targets if t not in LORA_TARGETS]
     if unknown or len(set(lo.targets)) != len(lo.targets):
@@ -216,11 +217,10 @@ def lora_errors(cfg: RootConfig) -> list[str]:
         return e
     if not lo.targets:
         e.append(f"lora.targets: empty with lora.rank={lo.rank}: name the linears to adapt, e.g. {list(LORA_TARGETS)}")
-    if cfg.rollout.max_staleness > 0:
-        e.append("rollout.max_staleness: > 0 with lora.rank > 0: the generator process's copy of the policy does not "
-                 "receive the adapters yet; use 0")
-    if cfg.model.layer_spec == "te":
-        e.append("model.layer_spec: te with lora.rank > 0: the adapters wrap the local spec's linears; use local")
+    if resolve_layer_spec(cfg.model, te_available) == "te":
+        chosen = "te" if cfg.model.layer_spec == "te" else "auto, resolved to te here (Transformer Engine and CUDA),"
+        e.append(f"model.layer_spec: {chosen} with lora.rank > 0: the adapters wrap the local spec's linears; set "
+                 "model.layer_spec=local")
     if cfg.parallel.sequence_parallel:
         e.append("parallel.sequence_parallel: not supported with lora.rank > 0 yet (set it false)")
     if lo.experts and cfg.model.num_experts > 0 and cfg.parallel.expert_tensor_parallel_size > 1:

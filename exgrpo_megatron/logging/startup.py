@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from exgrpo_megatron.algo.protocol import RLAlgorithm
 from exgrpo_megatron.algo.registry import algorithm_notes, settings_in_effect
-from exgrpo_megatron.config.derived import resolve_params_dtype
+from exgrpo_megatron.config.derived import resolve_layer_spec, resolve_params_dtype
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.cpu_warnings import cpu_run_banner
 from exgrpo_megatron.distributed.runtime import ParallelLayout
 from exgrpo_megatron.experience.response_store import ResponseReplay
 from exgrpo_megatron.machine.cpu_precision import cpu_precision_line, this_cpu_bf16_unit
-from exgrpo_megatron.model.builder import resolve_layer_spec
 from exgrpo_megatron.planning.dry_run import generation_line, replay_line
 
 PREFIX = "exgrpo-train: "

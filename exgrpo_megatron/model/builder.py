@@ -12,31 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from exgrpo_megatron.config.derived import head_dim, padded_vocab_size, resolve_params_dtype
+from exgrpo_megatron.config.derived import head_dim, padded_vocab_size, resolve_layer_spec, resolve_params_dtype
 from exgrpo_megatron.config.families import family_of
 from exgrpo_megatron.config.schema import LoraConfig, ModelConfig, ParallelConfig
 from exgrpo_megatron.model.moe import is_moe, moe_transformer_config, per_micro_batch_router_losses
 
 ACTIVATIONS = {"silu": F.silu}  # a family's activation -> the gated MLP's function
-
-
-def transformer_engine_available() -> bool:
-    """True when TE imports cleanly and CUDA is present. A half-installed TE raises RuntimeError,
-    not ImportError, so both are caught."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-        import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, RuntimeError):
-        return False
-    return True
-
-
-def resolve_layer_spec(cfg: ModelConfig) -> str:
-    if cfg.layer_spec == "auto":
-        return "te" if transformer_engine_available() else "local"
-    return cfg.layer_spec
 
 
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):

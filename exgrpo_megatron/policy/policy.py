@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
-from exgrpo_megatron.config.derived import optimizer_updates_per_step
+from exgrpo_megatron.config.derived import optimizer_updates_per_step, resolve_layer_spec
 from exgrpo_megatron.config.schema import RootConfig
 from exgrpo_megatron.distributed.lockstep import Lockstep
 from exgrpo_megatron.distributed.threads import torch_threads, train_threads_from_env
-from exgrpo_megatron.model.builder import build_gpt_model, resolve_layer_spec
+from exgrpo_megatron.model.builder import build_gpt_model
 from exgrpo_megatron.model.expert_load import ExpertLoad
 from exgrpo_megatron.model.layout_init import initialise
 from exgrpo_megatron.model.moe import expert_parallel_group

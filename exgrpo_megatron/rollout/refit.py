@@ -17,7 +17,8 @@ megatron name, full TP=1-layout tensor). Names and sharding come from model/para
   VPP). With tied embeddings the last stage's copy of the embedding (`output_layer.weight`, PP > 1
   only) is skipped; `iter_hf_weight_buckets` emits `lm_head.weight` from the embedding instead
   (vLLM needs it explicitly).
-- LoRA (model/lora.py): `iter_hf_weight_buckets` sends an adapted linear's merged weight W + (B A) alpha/r in
+- LoRA (model/lora.py): `iter_merged_param_buckets` (vLLM's refit through `iter_hf_weight_buckets`, and the
+  generator process's weights, training/async_generation/) sends an adapted linear's merged weight W + (B A) alpha/r in
   place of W, lora_a and lora_b (`merge_adapters_in_stream`): each weight is held only until its two adapters
   (the next parameters of the same linear) have streamed, so at most one linear's full tensors are held beyond a
   bucket (no second copy of the model).
@@ -172,6 +173,15 @@ def iter_full_param_buckets(chunks: Sequence[torch.nn.Module], bucket_bytes: int
             yield list(unflatten(flat, [(name, shape) for name, shape, _ in bucket_meta]))
 
 
+def iter_merged_param_buckets(chunks: Sequence[torch.nn.Module], bucket_bytes: int
+                              ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`iter_full_param_buckets` with LoRA's adapters merged into their weights (`merge_adapters_in_stream`): the
+    weights of a model without adapters that computes the adapted policy (a bucket may come out empty)."""
+    buckets = iter_full_param_buckets(chunks, bucket_bytes)
+    lora = adapted_linears(chunks)
+    return buckets if lora is None else merge_adapters_in_stream(buckets, *lora)
+
+
 def iter_hf_weight_buckets(
     chunks: Sequence[torch.nn.Module], model_cfg: ModelConfig, bucket_bytes: int, convert: HFConverter | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -183,11 +193,7 @@ def iter_hf_weight_buckets(
 
         convert = megatron_to_hf
     tied = bool(unwrap_chunk(chunks[0]).share_embeddings_and_output_weights)
-    buckets = iter_full_param_buckets(chunks, bucket_bytes)
-    lora = adapted_linears(chunks)
-    if lora is not None:
-        buckets = merge_adapters_in_stream(buckets, *lora)
-    for bucket in buckets:
+    for bucket in iter_merged_param_buckets(chunks, bucket_bytes):
         hf: list[tuple[str, torch.Tensor]] = []
         for name, tensor in bucket:
             converted = convert(name, tensor, model_cfg)

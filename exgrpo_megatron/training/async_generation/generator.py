@@ -1,9 +1,10 @@
 """The generator process of a run generating ahead of training (`rollout.max_staleness` > 0).
 
 A process of its own (started by the trainer's global rank 0, schedule.py): its own one-rank world with a
-TP=1 copy of the policy's model (no optimizer), the configured rollout engine on it (`rollout.engine`: the
-megatron KV-cache engine, or vLLM refitted from this copy) and its own grader pool. It serves requests over the
-link (link.py) one at a time, in order: a request carries one step's question groups and, when the
+TP=1 copy of the policy's model (no optimizer; with LoRA a model without adapters, sent the merged weights), the
+configured rollout engine on it (`rollout.engine`: the megatron KV-cache engine, or vLLM refitted from this copy)
+and its own grader pool. It serves requests over the link (link.py) one at a time, in order: a request carries one
+step's question groups and, when the
 trainer's weights changed since the last request, those weights (full TP=1 tensors, bucket by bucket); the
 answer is the step's samples and rewards, generated at the step's own seed (rollout_service.py), so the rollouts
 of a step depend only on its groups and the weights it names -- never on timing.

@@ -14,7 +14,8 @@ uninterrupted one would (they are never regenerated: the weights they came from 
 
 Only the trainer's global rank 0 talks to the generator (link.py); it broadcasts each step's rollouts to
 every rank, and each DP rank trains on its share. The weights are gathered to full tensors by the ranks of DP
-replica 0 (rollout/refit.py), in the dtype they train in.
+replica 0 (rollout/refit.py), in the dtype they train in; with LoRA each adapted linear's weight is sent merged,
+W + B A alpha / r (the vLLM refit's merge), so the generator's model has no adapters.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from exgrpo_megatron.distributed.launch_env import free_local_port
 from exgrpo_megatron.distributed.lifetime import parent_token
 from exgrpo_megatron.distributed.preemption import PreemptionHandler
 from exgrpo_megatron.experience.types import Trajectory
-from exgrpo_megatron.rollout.refit import iter_full_param_buckets
+from exgrpo_megatron.rollout.refit import iter_merged_param_buckets
 from exgrpo_megatron.rollout.types import Sample
 from exgrpo_megatron.training.async_generation.generator import RolloutRequest, RolloutResult, WeightBucket, serve
 from exgrpo_megatron.training.async_generation.link import TRAINER, Link
@@ -126,7 +127,9 @@ class AheadGeneration:
         if weights_step != self.generator_weights_step:
             if self.gathers_weights:
                 buckets = []
-                for bucket in iter_full_param_buckets(self.modules, WEIGHT_BUCKET_BYTES):
+                for bucket in iter_merged_param_buckets(self.modules, WEIGHT_BUCKET_BYTES):
+                    if not bucket:  # a weight waiting for its adapters, merged into the next bucket
+                        continue
                     buckets.append(([(name, tuple(t.shape)) for name, t in bucket], bucket[0][1].dtype))
                     flats.append(torch.cat([t.detach().reshape(-1).cpu() for _, t in bucket]))  # a snapshot
             self.generator_weights_step = weights_step
