@@ -19,10 +19,14 @@ RECORD_FILES = ("config.yaml", "metrics.jsonl", "provenance.json", "start_eval.j
 
 def keep_record(run_dir: str, record_dir: str) -> None:
     """A run's record files into `record_dir`, metrics.jsonl gzip-compressed (~10x smaller; fidelity_analysis reads
-    either), test_eval.json last: its presence marks the record complete."""
+    either), test_eval.json last: its presence marks the record complete. `run_dir` may be a run's directory or
+    another record (import_records: its metrics.jsonl.gz is copied as it is)."""
     os.makedirs(record_dir, exist_ok=True)
     for name in RECORD_FILES:
         src = os.path.join(run_dir, name)
+        if name == "metrics.jsonl" and not os.path.isfile(src) and os.path.isfile(src + ".gz"):
+            shutil.copyfile(src + ".gz", os.path.join(record_dir, name + ".gz"))  # `run_dir` is itself a record
+            continue
         if not os.path.isfile(src):  # provenance/start_eval: newer records only
             continue
         if name == "metrics.jsonl":

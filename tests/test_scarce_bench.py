@@ -152,3 +152,23 @@ def test_judge_reads_an_interval_as_pre_registered():
     assert sa.judge({"mean": 0.2, "ci95": 0.1, "n": 5}, 0.25) == "does not pay"  # the saving threshold is not met
     assert sa.judge({"mean": -0.01, "ci95": 0.1, "n": 5}) == "does not pay"
     assert sa.judge({"mean": 0.01, "ci95": None, "n": 1}) == "too few seeds (1)"
+
+
+def test_imported_records_keep_their_metrics(tmp_path):
+    """A pinned checkout's finished records come into this one's records with every file, the compressed metrics
+    included (the source is itself a record: metrics.jsonl.gz, no metrics.jsonl)."""
+    import run_records
+
+    run_dir, pinned, here = tmp_path / "run", tmp_path / "pinned", tmp_path / "here"
+    run_dir.mkdir()
+    metrics = "".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n" for s in range(1, 4))
+    (run_dir / "metrics.jsonl").write_text(metrics)
+    (run_dir / "config.yaml").write_text("seed: 1\n")
+    (run_dir / "test_eval.json").write_text("{}")
+    run_records.keep_record(str(run_dir), str(pinned / "grpo_seed1"))
+    (pinned / "unfinished").mkdir()
+    assert run_records.import_records(str(pinned), str(here)) == ["grpo_seed1"]
+    with gzip.open(here / "grpo_seed1" / "metrics.jsonl.gz", "rt") as f:
+        assert f.read() == metrics
+    assert sorted(os.listdir(here / "grpo_seed1")) == ["config.yaml", "metrics.jsonl.gz", "test_eval.json"]
+    assert run_records.import_records(str(pinned), str(here)) == []  # a finished record is never taken twice
