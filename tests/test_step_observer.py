@@ -100,3 +100,28 @@ def test_an_observer_receives_every_verbs_result_as_logged(tmp_path):
         # one forward-only pass for pi_old (plus the selection pass when replaying), one pass per update
         assert rec["passes"].count(False) == BATCH // MINI and rec["passes"][0] is True
         assert rec["metrics"]["loss/policy"] == logged["loss/policy"]
+
+
+def test_observers_are_called_in_order_with_the_step_and_a_name_that_is_no_hook_is_refused():
+    """`StepObservers.notify` reaches every observer's hook in order, the hooks of a step led by the current step, and
+    refuses a misspelt hook even with no observer (a silently ignored name would drop what a test watches)."""
+    from exgrpo_megatron.training.step_observer import HOOKS, STEP_HOOKS, StepObservers
+
+    assert STEP_HOOKS == set(HOOKS) - {"distributed", "started"}
+    seen: list[tuple[str, str, tuple]] = []
+
+    class Log(StepObserver):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    for hook in HOOKS:
+        setattr(Log, hook, lambda self, *args, _hook=hook: seen.append((self.name, _hook, args)))
+    observers = StepObservers([Log("a"), Log("b")])
+    observers.notify("distributed", "layout")
+    observers.begin(7)
+    observers.notify("planned", ["g"])
+    assert seen == [("a", "distributed", ("layout",)), ("b", "distributed", ("layout",)),
+                    ("a", "step_started", (7,)), ("b", "step_started", (7,)),
+                    ("a", "planned", (7, ["g"])), ("b", "planned", (7, ["g"]))]
+    with pytest.raises(ValueError, match="'plannned' is not a StepObserver hook"):
+        StepObservers().notify("plannned", [])

@@ -1,15 +1,17 @@
 """Observing training: what each verb of a step produced, handed to observers (`run_training(cfg, observers=[...])`, or
 `train.main(argv, observers=[...])` for the whole entry point).
 
-A `StepObserver` overrides the hooks it needs (all do nothing here); `StepObservers` calls every observer's hook in
-order, with the step number. Observers receive the trainer's own objects: they look, they do not steer (mutating
-what they receive changes the run). Tests and benches observe a run through these hooks instead of replacing the
-trainer's functions. Generating ahead (`rollout.max_staleness` > 0) the generator process plans and generates, so
-`planned` and `generated` are not called there.
+A `StepObserver` overrides the hooks it needs (all do nothing here); `StepObservers.notify(hook, ...)` calls every
+observer's hook in order, with the step number first for the hooks of a step (those whose first argument is `step`).
+Observers receive the trainer's own objects: they look, they do not steer (mutating what they receive changes the
+run). Tests and benches observe a run through these hooks instead of replacing the trainer's functions. Generating
+ahead (`rollout.max_staleness` > 0) the generator process plans and generates, so `planned` and `generated` are not
+called there.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +77,16 @@ class StepObserver:
         """The step's logged metrics."""
 
 
+def _takes_step(hook: str) -> bool:
+    return list(inspect.signature(getattr(StepObserver, hook)).parameters)[1:2] == ["step"]
+
+
+HOOKS: tuple[str, ...] = tuple(name for name in vars(StepObserver) if not name.startswith("_"))
+STEP_HOOKS = frozenset(filter(_takes_step, HOOKS))  # a step's hooks; the others describe the run
+
+
 class StepObservers:
-    """Calls the hook of every observer, in order, with the current step (set by `begin`)."""
+    """Every observer's hook, in order (`notify`), with the current step (set by `begin`) for a step's hooks."""
 
     def __init__(self, observers: Sequence[StepObserver] = ()) -> None:
         self.observers = list(observers)
@@ -87,55 +97,13 @@ class StepObservers:
 
     def begin(self, step: int) -> None:
         self.step = step
-        for o in self.observers:
-            o.step_started(step)
+        self.notify("step_started")
 
-    def distributed(self, layout: ParallelLayout) -> None:
+    def notify(self, hook: str, *args: Any) -> None:
+        """Call `hook` (a StepObserver method) of every observer with `args`, led by the current step when the hook
+        takes one; a name that is not a hook is a ValueError, raised even with no observer."""
+        if hook not in HOOKS:
+            raise ValueError(f"{hook!r} is not a StepObserver hook (one of {', '.join(HOOKS)})")
+        lead = (self.step,) if hook in STEP_HOOKS else ()
         for o in self.observers:
-            o.distributed(layout)
-
-    def started(self, c: Any) -> None:
-        for o in self.observers:
-            o.started(c)
-
-    def planned(self, groups: list[QuestionGroup]) -> None:
-        for o in self.observers:
-            o.planned(self.step, groups)
-
-    def generated(self, groups: list[QuestionGroup], samples: list[list[Sample]]) -> None:
-        for o in self.observers:
-            o.generated(self.step, groups, samples)
-
-    def rolled_out(self, rollouts: StepRollouts) -> None:
-        for o in self.observers:
-            o.rolled_out(self.step, rollouts)
-
-    def rows_built(self, rows: RolloutRows) -> None:
-        for o in self.observers:
-            o.rows_built(self.step, rows)
-
-    def batch_ready(self, batch: TrainBatch) -> None:
-        for o in self.observers:
-            o.batch_ready(self.step, batch)
-
-    def update_started(self, update: int, micro_batches: list[MicroBatch], phase: Phase,
-                       normalisers: tuple[float, float]) -> None:
-        for o in self.observers:
-            o.update_started(self.step, update, micro_batches, phase, normalisers)
-
-    def loss_computed(self, update: int, output: LastStageOutput, micro_batch: MicroBatch, loss: Tensor,
-                      metrics: dict[str, Tensor]) -> None:
-        for o in self.observers:
-            o.loss_computed(self.step, update, output, micro_batch, loss, metrics)
-
-    def updated(self, update: int, metrics: UpdateMetrics) -> None:
-        for o in self.observers:
-            o.updated(self.step, update, metrics)
-
-    def policy_pass(self, site: str, micro_batches: list[MicroBatch], forward_only: bool) -> None:
-        for o in self.observers:
-            o.policy_pass(self.step, site, micro_batches, forward_only)
-
-    def step_finished(self, metrics: dict[str, Any]) -> None:
-        for o in self.observers:
-            o.step_finished(self.step, metrics)
+            getattr(o, hook)(*lead, *args)

@@ -75,7 +75,7 @@ def train_step(c: Components, state: RunState, step: int) -> dict[str, float | s
     phase = c.schedule.phase
     timer = StepTimer()
     groups = plan_step(c, step, phase)
-    c.observers.planned(groups)
+    c.observers.notify("planned", groups)
     mine = local_groups(groups, c.layout.dp_rank, c.layout.dp_size)
     generated = generate(c, mine, step)
     timer.lap("generate")
@@ -125,11 +125,11 @@ def train_step_ahead(c: Components, ahead: AheadGeneration, state: RunState, ste
 def train_on(c: Components, state: RunState, rollouts: StepRollouts, phase: Phase, timer: StepTimer) -> TrainMetrics:
     """rows -> pi_old -> the updates (the run's count of consecutive skipped updates moves on); returns what this
     rank measured."""
-    c.observers.rolled_out(rollouts)
+    c.observers.notify("rolled_out", rollouts)
     rows = build_rollout_rows(rollouts.samples, rollouts.rewards, c.algorithm.advantages)
-    c.observers.rows_built(rows)
+    c.observers.notify("rows_built", rows)
     batch, forward_rows = with_old_logprobs(c, rows, rollouts.groups)
-    c.observers.batch_ready(batch)
+    c.observers.notify("batch_ready", batch)
     mismatch = recomputed_mismatch(c, batch)
     timer.lap("old_logprobs")
     updates = update_policy(c, batch, len(rollouts.groups), phase)
@@ -196,7 +196,7 @@ def generate(c: Components, mine: list[QuestionGroup], step: int, refill_round: 
     s = c.settings
     generated = c.rollout.training_round(mine, s.group_size, s.sampling, s.seed, step, refill_round)
     if c.observers:  # the samples exist once generation is done (grading may still run)
-        c.observers.generated(mine, generated.samples)
+        c.observers.notify("generated", mine, generated.samples)
     return generated
 
 
@@ -247,8 +247,8 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase)
         mbs = micro_batches_for_update(batch, rows, s.micro_batch_max_tokens, packed=s.sequence_packing,
                                        measure_mismatch=c.old_logprobs != "recompute" and u == 0)
         normalisers = c.algorithm.normalisers(*counts)
-        c.observers.update_started(u, mbs, phase, normalisers)
-        observe = partial(c.observers.loss_computed, u) if c.observers else None
+        c.observers.notify("update_started", u, mbs, phase, normalisers)
+        observe = partial(c.observers.notify, "loss_computed", u) if c.observers else None
         loss_fn = rl_loss_fn(c.algorithm, phase=phase, normalisers=normalisers, temperature=s.sampling.temperature,
                              vocab_size=s.vocab_size, observe=observe)
         c.policy.zero_grad()
@@ -256,7 +256,7 @@ def update_policy(c: Components, batch: TrainBatch, n_groups: int, phase: Phase)
         mismatch = pop_mismatch(metrics)
         loss_metrics = tuple({k: float(v) for k, v in m.items()} for m in metrics)
         updates.append(UpdateMetrics(c.policy.optimizer_step(s.skip_grad_bound), loss_metrics, mismatch))
-        c.observers.updated(u, updates[-1])
+        c.observers.notify("updated", u, updates[-1])
     return updates
 
 
@@ -302,15 +302,15 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
                               expert_model_parallel_size=p.expert_model_parallel_size,
                               expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                               collective_timeout_s=p.collective_timeout_s, collective_ledger=p.collective_ledger)
-    watching.distributed(layout)
+    watching.notify("distributed", layout)
     algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     if layout.rank == 0:
         print(startup_block(cfg, layout, algorithm), flush=True)
     c = build_components(cfg, layout, algorithm)
     c.observers = watching
-    c.policy.pass_observers.append(c.observers.policy_pass)
+    c.policy.pass_observers.append(partial(c.observers.notify, "policy_pass"))
     try:
-        c.observers.started(c)
+        c.observers.notify("started", c)
         state = RunState.start(c, preemption)
     except BaseException:
         c.close()
@@ -324,7 +324,7 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
                 metrics.update(state.validate(step))
             collective_watch.check_step(step)  # parallel.collective_ledger: the ranks issued the same collectives
             state.finish_step(step, metrics)
-            c.observers.step_finished(metrics)
+            c.observers.notify("step_finished", metrics)
             if state.consecutive_skips >= cfg.algo.max_consecutive_skips:
                 state.save(step)
                 print(f"exgrpo-train: stopping: {state.consecutive_skips} consecutive updates skipped "
