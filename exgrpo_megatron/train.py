@@ -29,6 +29,7 @@ from exgrpo_megatron.distributed.lost_peer import lost_peer_message
 from exgrpo_megatron.distributed.preemption import REQUEUE_EXIT_CODE, PreemptedDuringStartup, PreemptionHandler
 
 if TYPE_CHECKING:
+    from exgrpo_megatron.algo.protocol import RLAlgorithm
     from exgrpo_megatron.config.schema import RootConfig
     from exgrpo_megatron.training.step_observer import StepObserver
 
@@ -119,15 +120,16 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequ
     if startup_errors:
         print(f"exgrpo-train: {ConfigError(startup_errors)}", file=sys.stderr)
         return EXIT_INVALID_CONFIG
-    return train_config(cfg, preemption, observers)
+    return train_config(cfg, preemption, observers, algorithm)
 
 
 def train_config(cfg: RootConfig, preemption: PreemptionHandler | None = None,
-                 observers: Sequence[StepObserver] = ()) -> int:
+                 observers: Sequence[StepObserver] = (), algorithm: RLAlgorithm | None = None) -> int:
     """Train a validated config: the global rank 0 takes the run directory's lock first (before anything is
     written), then run_training; refusals at start-up (a config the checkpoint does not fit, an init_from or
     checkpoint that fails verification with none to fall back to) exit EXIT_INVALID_CONFIG, a failed save exits 1
-    with its message (path and OS reason)."""
+    with its message (path and OS reason). `algorithm`: the one start-up validation built (else run_training builds
+    it): a run builds its algorithm once."""
     from exgrpo_megatron.config.validate import ConfigError
     from exgrpo_megatron.distributed.launch_env import launch_env
     from exgrpo_megatron.distributed.run_lock import RunDirError, acquire_run_dir
@@ -145,7 +147,7 @@ def train_config(cfg: RootConfig, preemption: PreemptionHandler | None = None,
     from exgrpo_megatron.training.trainer import run_training
 
     try:
-        return run_training(cfg, preemption, observers)
+        return run_training(cfg, preemption, observers, algorithm)
     except (EmptyDatasetError, DataFileError, ConfigError, IncompatibleCheckpointError, CheckpointFormatError) as exc:
         print(f"exgrpo-train: {exc}", file=sys.stderr)
         if lock is not None:

@@ -125,3 +125,25 @@ def test_observers_are_called_in_order_with_the_step_and_a_name_that_is_no_hook_
                     ("a", "planned", (7, ["g"])), ("b", "planned", (7, ["g"]))]
     with pytest.raises(ValueError, match="'plannned' is not a StepObserver hook"):
         StepObservers().notify("plannned", [])
+
+
+def _builds_in_a_run(overrides: list[str]) -> tuple[int, int, str]:
+    from exgrpo_megatron import train
+    from tests.helpers import counting_algorithm
+
+    class Name(StepObserver):
+        def started(self, c) -> None:
+            self.algorithm = type(c.algorithm).__name__
+
+    seen = Name()
+    code = train.main(["--config-name", "demo_cpu", *overrides], observers=[seen])
+    return code, len(counting_algorithm.BUILDS), seen.algorithm
+
+
+def test_a_run_builds_its_algorithm_once(tmp_path):
+    """The training CLI validates the config by building the algorithm and trains with that same object: one build
+    per run (the start-up block, the components and the loss all read it)."""
+    name = "algo.name=tests.helpers.counting_algorithm:CountingExGRPO"
+    code, builds, used = run_on_ranks(_builds_in_a_run, 1, args=(
+        _overrides(str(tmp_path / "once"), extra=("trainer.total_steps=1", name)),))[0]
+    assert (code, builds, used) == (0, 1, "CountingExGRPO")

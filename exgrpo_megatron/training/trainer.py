@@ -289,11 +289,12 @@ def pool_outcomes(algorithm: RLAlgorithm, rollouts: StepRollouts, step: int, col
 
 
 def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
-                 observers: Sequence[StepObserver] = ()) -> int:
+                 observers: Sequence[StepObserver] = (), algorithm: RLAlgorithm | None = None) -> int:
     """Train to `trainer.total_steps`; returns the process exit code (requeue code on preemption).
     `preemption`: the handler installed in start-up mode at process start (train.main), else one is here;
     a signal during start-up raises PreemptedDuringStartup (distributed/preemption.py). `observers`: receive each
-    step's results (step_observer.py)."""
+    step's results (step_observer.py). `algorithm`: the one the caller built from `cfg.algo` (train.py, validating
+    the config), else built here -- once per run either way."""
     preemption = preemption or PreemptionHandler().install(startup=True)
     watching = StepObservers(observers)
     p = cfg.parallel
@@ -303,7 +304,7 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
                               expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                               collective_timeout_s=p.collective_timeout_s, collective_ledger=p.collective_ledger)
     watching.notify("distributed", layout)
-    algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    algorithm = algorithm or build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     if layout.rank == 0:
         print(startup_block(cfg, layout, algorithm), flush=True)
     c = build_components(cfg, layout, algorithm)
