@@ -202,9 +202,9 @@ def test_schedule_phases():
     empty), then mixed for good; <= 0 starts collecting at step 1; without a pool it never leaves warm-up."""
     W, C, M = Phase.WARMUP, Phase.COLLECTING, Phase.MIXED
     schedule = ExperienceSchedule(0.35)
-    assert schedule.phase is W and not schedule.collects and not schedule.replays
+    assert schedule.phase is W and not schedule.collects
     assert [schedule.end_step(f, s) for s, f in enumerate((0.1, 0.35, 0.36, 0.0, 0.9), start=1)] == [W, W, C, M, M]
-    assert schedule.switched_at_step == 3 and schedule.collects and schedule.replays
+    assert schedule.switched_at_step == 3 and schedule.collects
     restored = ExperienceSchedule(0.35)
     restored.load_state_dict(schedule.state_dict())
     assert restored.phase is M and restored.switched_at_step == 3

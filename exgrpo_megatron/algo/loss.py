@@ -66,7 +66,7 @@ and tokens per GPU), so we fix it at the paper's layout as a constant, like loss
 per rank of ~2k tokens (a ~250-token prompt + ~1.5-2k-token responses of Qwen2.5-Math-7B) over 32768-token
 micro-batches = 4. Our bonus is then the original's at its layout, whatever our GPU count or micro-batching
 (`tests/test_loss_scale.py`). M_ref = 1 is the original at one micro-batch per rank (its configured gradient
-accumulation), which is what this code did before the constant existed.
+accumulation).
 
 The replay ratio's denominator on replayed tokens (`select_replay_denominator_logprobs`): with
 `replay_is_correction=True` the behaviour log-probs recorded when the trajectory was collected (pi_past), so w is a
