@@ -172,7 +172,7 @@ def test_retirement_removes_and_blocks_readding():
     pool.update([group(5, 3, [[1, 2], [3, 4]]), group(6, 2, [[7]])])
     assert pool.stats()["experience/trajectories"] == 3
     assert pool.update([group(5, K, [[1, 2]] * K)]) == [5]
-    assert 5 not in pool.shard and pool.is_retired(5) and pool.retired_ids() == frozenset({5})
+    assert 5 not in pool.shard and 5 in pool.retired_ids() and pool.retired_ids() == frozenset({5})
     pool.update([group(5, 4, [[8, 8]])])
     assert 5 not in pool.shard
     stats = pool.stats()

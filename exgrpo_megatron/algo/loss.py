@@ -260,17 +260,11 @@ def aggregate(token_loss: Tensor, sequences: Sequences, mode: str, pg_normaliser
 def mult_prob_error_sums(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, valid: Tensor
                          ) -> tuple[Tensor, Tensor]:
     """(sum, count) over the `valid` tokens of exp(|logp_behaviour - logp_trainer|), in float64: the terms of
-    `token_mult_prob_error`, to be summed over rows, micro-batches and ranks before dividing."""
+    metric mismatch/token_mult_prob_error (NeMo-RL's train/inference mismatch alarm: 1.0 when the rollout engine and
+    the trainer agree exactly), to be summed over rows, micro-batches and ranks before dividing."""
     mask = valid.bool()
     err = torch.exp((behaviour_logprobs.double() - trainer_logprobs.double()).abs())
     return err[mask].sum(), mask.sum().double()
-
-
-def token_mult_prob_error(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, response_mask: Tensor) -> Tensor:
-    """Mean over valid tokens of exp(|logp_behaviour - logp_trainer|) (behaviour: the rollout engine's): 1.0 when
-    the rollout engine and the trainer agree exactly; a train/inference mismatch alarm (NeMo-RL's metric)."""
-    total, count = mult_prob_error_sums(behaviour_logprobs, trainer_logprobs, response_mask)
-    return total / count.clamp(min=1.0)
 
 
 def per_token(x: Tensor, like: Tensor) -> Tensor:
