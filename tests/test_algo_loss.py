@@ -12,14 +12,14 @@ from exgrpo_megatron.algo.advantages import group_advantages
 from exgrpo_megatron.algo.loss import (
     global_loss_counts,
     loss_normalisers,
+    mult_prob_error_sums,
     select_replay_denominator_logprobs,
     shaped_ratio,
-    token_mult_prob_error,
 )
 from exgrpo_megatron.algo.loss_metrics import declared_metrics, summarize_loss_metrics
-from exgrpo_megatron.algo.policy_loss import exgrpo_loss
 from exgrpo_megatron.algo.surrogates import PPOClip
 from exgrpo_megatron.policy.logprobs import vocab_parallel_logprobs_entropy
+from tests.helpers.exgrpo_loss import exgrpo_loss
 from tests.helpers.multirank import run_on_ranks
 
 T_MAX = 16
@@ -223,12 +223,15 @@ def test_select_replay_denominator_logprobs():
     torch.testing.assert_close(select(old, rec, replay, replay_is_correction=False), old)
 
 
-def test_token_mult_prob_error():
+def test_mult_prob_error_sums():
+    """The terms of mismatch/token_mult_prob_error: the sum of exp|logp_behaviour - logp_trainer| over the valid
+    tokens and their count."""
     gen = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
     train = torch.tensor([[-1.1, -2.0, 50.0], [-0.2, 9.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     expected = (math.exp(0.1) + 1.0 + math.exp(0.3)) / 3
-    assert token_mult_prob_error(gen, train, mask).item() == pytest.approx(expected)
+    total, count = mult_prob_error_sums(gen, train, mask)
+    assert count.item() == 3 and (total / count).item() == pytest.approx(expected)
 
 
 # ---------------------------------------------------------------- aggregation invariance (linear model)

@@ -24,10 +24,11 @@ from exgrpo_megatron.convert.hf_config import (
     save_model_config,
 )
 from exgrpo_megatron.convert.hf_mapping import hf_to_megatron, megatron_to_hf
-from exgrpo_megatron.model.param_layout import EMBEDDING, merge_from_tp, split_for_tp
+from exgrpo_megatron.model.param_layout import EMBEDDING, tp_split_of_name, tp_unshard
 from tests.helpers.hf_families import make_hf_model
 from tests.helpers.hf_families import perturb as _perturb
 from tests.helpers.multirank import run_on_ranks
+from tests.helpers.tp_shards import split_for_tp
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 FAMILIES = ["qwen2", "llama", "qwen3"]
@@ -322,7 +323,7 @@ def test_split_merge_round_trip(tp):
         full = torch.randn(shape, generator=g)
         shards = split_for_tp(name, full, tp, QCFG)
         assert len(shards) == tp
-        merged = merge_from_tp(name, shards)
+        merged = tp_unshard(shards, tp_split_of_name(name))  # the refit's merge (rollout/refit.py)
         if name in (EMBEDDING, "output_layer.weight"):  # re-padded as the builder pads, vocab rows preserved
             assert merged.shape[0] == padded_vocab_size(100, 16, tp)
             assert torch.equal(merged[:100], full[:100]) and not merged[100:].any()

@@ -172,7 +172,7 @@ def test_retirement_removes_and_blocks_readding():
     pool.update([group(5, 3, [[1, 2], [3, 4]]), group(6, 2, [[7]])])
     assert pool.stats()["experience/trajectories"] == 3
     assert pool.update([group(5, K, [[1, 2]] * K)]) == [5]
-    assert 5 not in pool.shard and pool.is_retired(5) and pool.retired_ids() == frozenset({5})
+    assert 5 not in pool.shard and 5 in pool.retired_ids() and pool.retired_ids() == frozenset({5})
     pool.update([group(5, 4, [[8, 8]])])
     assert 5 not in pool.shard
     stats = pool.stats()
@@ -202,9 +202,9 @@ def test_schedule_phases():
     empty), then mixed for good; <= 0 starts collecting at step 1; without a pool it never leaves warm-up."""
     W, C, M = Phase.WARMUP, Phase.COLLECTING, Phase.MIXED
     schedule = ExperienceSchedule(0.35)
-    assert schedule.phase is W and not schedule.collects and not schedule.replays
+    assert schedule.phase is W and not schedule.collects
     assert [schedule.end_step(f, s) for s, f in enumerate((0.1, 0.35, 0.36, 0.0, 0.9), start=1)] == [W, W, C, M, M]
-    assert schedule.switched_at_step == 3 and schedule.collects and schedule.replays
+    assert schedule.switched_at_step == 3 and schedule.collects
     restored = ExperienceSchedule(0.35)
     restored.load_state_dict(schedule.state_dict())
     assert restored.phase is M and restored.switched_at_step == 3

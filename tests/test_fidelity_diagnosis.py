@@ -93,7 +93,7 @@ def test_a_solved_question_leaves_the_fresh_stream_and_the_pool_at_once():
     pool.update(group_outcomes([group], samples, [[1.0] * 3 + [0.0] * 5], step=1, collect=True))
     assert 3 in pool.shard
     pool.update(group_outcomes([group], samples, [[1.0] * K], step=2, collect=True))
-    assert 3 not in pool.shard and pool.is_retired(3)
+    assert 3 not in pool.shard and 3 in pool.retired_ids()
     sampler = PromptSampler(data.qids(), seed=0)
     seen = []
     for step in range(6):

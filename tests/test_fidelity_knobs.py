@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from exgrpo_megatron.algo.loss import select_replay_denominator_logprobs
-from exgrpo_megatron.algo.policy_loss import LossBatch, exgrpo_loss
+from exgrpo_megatron.algo.policy_loss import LossBatch
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import config_errors
 from exgrpo_megatron.data.step_plan import experience_quota
 from exgrpo_megatron.experience import CandidateScores, GroupOutcome, ShardedExperiencePool
 from exgrpo_megatron.training.components import build_pool
+from tests.helpers.exgrpo_loss import exgrpo_loss
 
 K = 8
 QUESTIONS_PER_BUCKET = 200

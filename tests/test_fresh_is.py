@@ -11,11 +11,12 @@ import torch
 
 from exgrpo_megatron.algo.loss import global_loss_counts, loss_normalisers, truncated_is_weight
 from exgrpo_megatron.algo.loss_metrics import declared_metrics, summarize_loss_metrics
-from exgrpo_megatron.algo.policy_loss import LossBatch, exgrpo_loss
+from exgrpo_megatron.algo.policy_loss import LossBatch
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.algo.surrogates import PPOClip
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.experience.schedule import Phase
+from tests.helpers.exgrpo_loss import exgrpo_loss
 from tests.test_algo_loss import T_MAX, random_batch, ref_loss
 
 CAP = 1.5

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from exgrpo_megatron.algo.loss import global_loss_counts, loss_normalisers
-from exgrpo_megatron.algo.policy_loss import exgrpo_loss
 from exgrpo_megatron.config.loader import load_config
+from tests.helpers.exgrpo_loss import exgrpo_loss
 
 T_MAX = 64
 DP_PAPER, SEQS_PER_RANK = 8, 64

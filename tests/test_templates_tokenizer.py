@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from exgrpo_megatron.data.templates import LUFFY_SYSTEM_PROMPT, render_prompt, template_requires_think
+from exgrpo_megatron.data.templates import LUFFY_SYSTEM_PROMPT, render_prompt
 from exgrpo_megatron.data.tokenizer import (
     CharTokenizer,
     HFTokenizer,
@@ -14,6 +14,7 @@ from exgrpo_megatron.data.tokenizer import (
     load_tokenizer,
     qwen_tokenizer_dir,
 )
+from exgrpo_megatron.reward.benchmark_grading import prompt_requires_think
 
 QUESTION = "What is $\\frac{1}{2} + \\frac{1}{3}$?"
 
@@ -42,11 +43,13 @@ def test_llama_base_and_plain_templates():
     assert render_prompt("12+7=?", "plain") == "12+7=?\n<think>\n"
 
 
-def test_template_requires_think():
-    assert template_requires_think("own") and template_requires_think("chat") and template_requires_think("plain")
-    assert not template_requires_think("llama_base") and not template_requires_think("chat_direct")
-    with pytest.raises(ValueError, match="unknown prompt template"):
-        template_requires_think("alpaca")
+def test_which_templates_require_think(qwen):
+    """The grader's rule (a prompt ending in "<think>\\n" makes </think> mandatory) on each template's prompt:
+    own and plain open the think block; chat (the chat template's own generation prompt), llama_base and
+    chat_direct do not."""
+    needs = {t: prompt_requires_think(render_prompt(QUESTION, t, qwen))
+             for t in ("own", "chat", "plain", "llama_base", "chat_direct")}
+    assert needs == {"own": True, "chat": False, "plain": True, "llama_base": False, "chat_direct": False}
     with pytest.raises(ValueError, match="unknown prompt template"):
         render_prompt("q", "alpaca")
 

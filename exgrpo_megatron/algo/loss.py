@@ -66,7 +66,7 @@ and tokens per GPU), so we fix it at the paper's layout as a constant, like loss
 per rank of ~2k tokens (a ~250-token prompt + ~1.5-2k-token responses of Qwen2.5-Math-7B) over 32768-token
 micro-batches = 4. Our bonus is then the original's at its layout, whatever our GPU count or micro-batching
 (`tests/test_loss_scale.py`). M_ref = 1 is the original at one micro-batch per rank (its configured gradient
-accumulation), which is what this code did before the constant existed.
+accumulation).
 
 The replay ratio's denominator on replayed tokens (`select_replay_denominator_logprobs`): with
 `replay_is_correction=True` the behaviour log-probs recorded when the trajectory was collected (pi_past), so w is a
@@ -260,17 +260,11 @@ def aggregate(token_loss: Tensor, sequences: Sequences, mode: str, pg_normaliser
 def mult_prob_error_sums(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, valid: Tensor
                          ) -> tuple[Tensor, Tensor]:
     """(sum, count) over the `valid` tokens of exp(|logp_behaviour - logp_trainer|), in float64: the terms of
-    `token_mult_prob_error`, to be summed over rows, micro-batches and ranks before dividing."""
+    metric mismatch/token_mult_prob_error (NeMo-RL's train/inference mismatch alarm: 1.0 when the rollout engine and
+    the trainer agree exactly), to be summed over rows, micro-batches and ranks before dividing."""
     mask = valid.bool()
     err = torch.exp((behaviour_logprobs.double() - trainer_logprobs.double()).abs())
     return err[mask].sum(), mask.sum().double()
-
-
-def token_mult_prob_error(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, response_mask: Tensor) -> Tensor:
-    """Mean over valid tokens of exp(|logp_behaviour - logp_trainer|) (behaviour: the rollout engine's): 1.0 when
-    the rollout engine and the trainer agree exactly; a train/inference mismatch alarm (NeMo-RL's metric)."""
-    total, count = mult_prob_error_sums(behaviour_logprobs, trainer_logprobs, response_mask)
-    return total / count.clamp(min=1.0)
 
 
 def per_token(x: Tensor, like: Tensor) -> Tensor:

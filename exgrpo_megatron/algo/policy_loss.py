@@ -6,9 +6,8 @@
     L_mb = aggregate(l, spec.aggregation) - entropy_coeff * sum_{i,t} m*H / entropy_normaliser
 
 `LossBatch` is what the loss reads of one micro-batch: the per-token inputs and which sequence each token belongs to
-(`Sequences`, right under padding and packing alike). `exgrpo_loss` is the ExGRPO assembly with the arguments its
-float64-reference tests spell out. The metrics a loss returns are the ones algo/loss_metrics.py declares for its
-spec.
+(`Sequences`, right under padding and packing alike). The metrics a loss returns are the ones algo/loss_metrics.py
+declares for its spec.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import torch
 from torch import Tensor
 
 from exgrpo_megatron.algo.loss import (
-    Clip,
     TruncatedIS,
     aggregate,
     approx_kl_k3,
@@ -32,7 +30,7 @@ from exgrpo_megatron.algo.loss import (
     truncated_is_weight,
 )
 from exgrpo_megatron.algo.sequences import Sequences
-from exgrpo_megatron.algo.surrogates import PPOClip, Surrogate, SurrogateInputs
+from exgrpo_megatron.algo.surrogates import Surrogate, SurrogateInputs
 
 
 @dataclass(frozen=True)
@@ -192,36 +190,3 @@ def policy_loss(batch: LossBatch, spec: LossSpec, normalisers: tuple[float, floa
             })
         metrics = {k: v.detach().to(torch.float64) for k, v in metrics.items()}
     return loss, metrics
-
-
-def exgrpo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    replay_denominator_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    replay_mask: Tensor,
-    entropy: Tensor | None,
-    *,
-    mixed_phase: bool,
-    clip_ratio: float = 0.2,
-    shaping_beta: float = 0.1,
-    policy_shaping: bool = True,
-    replay_tis_cap: float = 0.0,
-    entropy_coeff: float = 0.001,
-    pg_normaliser: float,
-    entropy_normaliser: float,
-    fresh_is_weights: TruncatedIS | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """ExGRPO's loss of a padded micro-batch (one sequence per row; formulas in algo/loss.py's docstring): token
-    ratio, PPO clip `clip_ratio` outside the mixed phase, the shaped replay term, token-sum aggregation over
-    `pg_normaliser`; with `replay_tis_cap` > 0 the truncated-IS replay term instead (`policy_shaping` unused).
-    `replay_mask`: [B] or [B, T]; `advantages`: [B] or [B, T]."""
-    replay: ReplayTerm = (TruncatedISReplay(replay_tis_cap) if replay_tis_cap > 0
-                          else ShapedReplay(shaping_beta, policy_shaping))
-    batch = LossBatch.rows(logprobs, entropy, response_mask, old_logprobs=old_logprobs,
-                           behaviour_logprobs=replay_denominator_logprobs, advantages=advantages, replay=replay_mask)
-    spec = LossSpec(ratio="token", surrogate=PPOClip(Clip(clip_ratio, clip_ratio)), trust_region=not mixed_phase,
-                    aggregation="token_sum_constant", replay=replay, entropy_coeff=entropy_coeff)
-    return policy_loss(batch, spec, (pg_normaliser, entropy_normaliser),
-                       replay_denominator=replay_denominator_logprobs, fresh_is=fresh_is_weights)

@@ -61,7 +61,7 @@ def algorithm_class(name: str) -> type[RLAlgorithm]:
     else:
         _import_builtin_variants()
         if name not in _REGISTRY:
-            raise ValueError(f"expected one of {sorted(_REGISTRY)} or a path package.module:Class, got {name!r}")
+            raise ValueError(f"expected one of {registered_names()} or a path package.module:Class, got {name!r}")
         cls = _REGISTRY[name]
     if not isinstance(cls, type) or not hasattr(cls, "from_config"):
         raise ValueError(f"{name!r} is not an algorithm class (no from_config; see algo/protocol.py)")

@@ -133,7 +133,7 @@ class AlgoConfig:
     shaping_beta: float = 0.1  # f(w) = w / (w + beta) on replayed tokens
     entropy_coeff: float = 0.001
     loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean | seq_mean
-    replay_is_correction: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs (was exp_is_correct)
+    replay_is_correction: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs (alias: exp_is_correct)
     replay_tis_cap: float = 0.0  # > 0: replayed tokens train as fresh ones x min(pi_old / pi_past, cap); 0 = f(w)
     # (algo.name=ingroup_replay / rescue_replay: their setting algo.settings.replay_tis_cap, this the former name)
     old_logprobs: str = "auto"  # auto | rollout | training_forward | recompute (config/pi_old_source.py)

@@ -31,18 +31,11 @@ LUFFY_SYSTEM_PROMPT = (
 )
 
 TEMPLATES: tuple[str, ...] = CHOICES["data.template"]
-_THINK_TEMPLATES = frozenset({"own", "chat", "plain"})
 
 
 def _check_template(template: str) -> None:
     if template not in TEMPLATES:
         raise ValueError(f"unknown prompt template {template!r}; expected one of {TEMPLATES}")
-
-
-def template_requires_think(template: str) -> bool:
-    """True if responses under ``template`` must contain ``</think>`` to be graded (own/chat/plain)."""
-    _check_template(template)
-    return template in _THINK_TEMPLATES
 
 
 def render_prompt(question: str, template: str, tokenizer: Tokenizer | None = None) -> str:

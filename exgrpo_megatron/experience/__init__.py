@@ -6,10 +6,10 @@ Typical use by the trainer (every rank, same order):
     from megatron.core import parallel_state as ps
     pool = ShardedExperiencePool(K, cfg.experience, dp_group=ps.get_data_parallel_group_gloo())  # None: one process
     schedule = ExperienceSchedule(cfg.experience.delayed_start_pass_rate)   # warm-up -> collecting -> mixed
-    replays = pool.sample(int(rho * B), rng_seed=seed * 1_000_003 + step, scorer=policy_scorer) \
-        if schedule.replays else []                   # identical list on every rank, sorted by qid
+    replayed = pool.sample(int(rho * B), rng_seed=seed * 1_000_003 + step, scorer=policy_scorer) \
+        if schedule.phase is Phase.MIXED else []                   # identical list on every rank, sorted by qid
     ... fresh prompts skip pool.retired_ids() ...
-    # collection once the schedule collects ([C] §1.2; before: k only, no trajectories), retirement from step 1:
+    # collection once the schedule collects ([C] §1.2; until then k only, no trajectories), retirement from step 1:
     pool.update(my_groups)
     pool.expire(step)                                 # the age bound (experience.max_age_steps)
     schedule.end_step(solved_fraction(rewards_of_the_step, dp_group), step)

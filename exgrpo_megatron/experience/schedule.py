@@ -10,8 +10,9 @@
 solved fraction = (# responses with reward 1) / (K * B) over all responses of the step, DP-global
 ([C] `mix_trainer_experience.py:538` batch/solved; [P] "batch Pass@1 exceeds 35%", default 0.35).
 On-policy GRPO (no pool, `enabled=False`) stays in warm-up for the whole run, as the on-policy Dr.GRPO baseline
-does. Everyone else asks `phase` (and `collects` / `replays`); only `end_step` moves it. The phase is part of the
-checkpointed trainer state (`state_dict`); checkpoints written before this class map through `legacy_state`.
+does. Everyone else asks `phase` (and `collects`; a batch holds replayed experience in `Phase.MIXED`); only
+`end_step` moves it. The phase is part of the checkpointed trainer state (`state_dict`); checkpoints written before
+this class map through `legacy_state`.
 """
 
 from __future__ import annotations
@@ -42,11 +43,6 @@ class ExperienceSchedule:
     def collects(self) -> bool:
         """Does the pool store this step's correct trajectories (retirement happens in every phase)?"""
         return self.phase is not Phase.WARMUP
-
-    @property
-    def replays(self) -> bool:
-        """Does this step's batch hold replayed experience?"""
-        return self.phase is Phase.MIXED
 
     def end_step(self, solved_fraction: float, step: int) -> Phase:
         """Move on after a step (its pool update done): collecting -> mixed; warm-up -> collecting when the

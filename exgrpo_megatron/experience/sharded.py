@@ -129,9 +129,6 @@ class ShardedExperiencePool:
             self._retired_view = frozenset(self.shard.retired)
         return self._retired_view
 
-    def is_retired(self, qid: int) -> bool:
-        return qid in self.shard.retired
-
     def stats(self) -> dict[str, float]:
         """Pool-wide counts (all-reduced): questions per bucket, questions, trajectories, stored tokens,
         retired questions."""

@@ -273,20 +273,3 @@ def pad_vocab(t: torch.Tensor, cfg: ModelConfig, tp_size: int) -> torch.Tensor:
         return t
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])], dim=0)
 
-
-def split_for_tp(name: str, full_tensor: torch.Tensor, tp_size: int, cfg: ModelConfig) -> list[torch.Tensor]:
-    """Per-TP-rank shards (index = TP rank) of FULL megatron tensor `name`, as megatron's TP layers hold
-    them; the vocabulary is first re-padded to the builder's padded size."""
-    name = canonical_name(name)
-    if name in VOCAB_PARALLEL:
-        full_tensor = pad_vocab(full_tensor, cfg, tp_size)
-    elif name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
-        if cfg.num_query_groups % tp_size:  # a rank must hold whole query groups
-            raise ValueError(f"TP={tp_size} does not divide the {cfg.num_query_groups} KV heads (query groups)")
-    split = tp_split_of_name(name)
-    return [tp_shard(full_tensor, split, tp_size, r) for r in range(tp_size)]
-
-
-def merge_from_tp(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Inverse of `split_for_tp`: the FULL megatron tensor (vocabulary padding kept) from per-rank shards."""
-    return tp_unshard(shards, tp_split_of_name(name))

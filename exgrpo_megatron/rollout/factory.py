@@ -3,7 +3,7 @@
 length) are read here and nowhere else.
 
 The vLLM engine generates from the policy's weights: it is refitted once when built, and again by
-`Policy.notify_weights_changed` (policy/policy.py) after every load and every optimizer update.
+`Policy.mark_weights_changed` (policy/policy.py) after every load and every optimizer update.
 """
 
 from __future__ import annotations

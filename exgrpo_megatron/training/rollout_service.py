@@ -82,7 +82,7 @@ class RolloutService:
             yield
         finally:
             self._awake = False
-        self.engine.sleep()  # not after an error (as before the service: the run stops there)
+        self.engine.sleep()  # not after an error: the run stops there
 
     def generate_into(self, groups: list[QuestionGroup], n: int, params: SamplingParams,
                       sink: SinkT) -> Generated[SinkT]:

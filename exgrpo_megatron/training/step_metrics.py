@@ -23,7 +23,7 @@ from exgrpo_megatron.rollout.types import Sample
 
 def rollout_mismatch(batch: TrainBatch) -> tuple[float, float]:
     """(sum, count) of exp(|logp_behaviour - logp_trainer|) over fresh response tokens, pi_old recomputed by the
-    trainer: 1.0 when the rollout engine and the trainer agree (`algo.loss.token_mult_prob_error`)."""
+    trainer: 1.0 when the rollout engine and the trainer agree (`algo.loss.mult_prob_error_sums`)."""
     if batch.old_logprobs is None:
         raise ValueError("rollout_mismatch: pi_old was not recomputed (the first update's forward measures it)")
     total, count = 0.0, 0.0
