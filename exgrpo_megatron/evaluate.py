@@ -162,7 +162,7 @@ def evaluate_questions(questions: Sequence[Question], rollout: RolloutService, t
     records to ``jsonl_path``.
 
     Sample j of question q uses request seed q.index, so results do not depend on the batching. The engine stays
-    awake for all calls of ``settings.prompts_per_call`` questions; each call's responses go to ``grading`` (a
+    awake for all calls of ``EvalSettings.prompts_per_call`` questions; each call's responses go to ``grading`` (a
     ``BenchmarkSink``) as its engine batches finish and are graded while the next call generates; a call's records
     are written when the next call has returned (the last ones at the end), in generation order. With
     ``grading=None`` (non-zero ranks of a TP group) only the generation runs."""

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from exgrpo_megatron.algo.registry import registered_names
+from exgrpo_megatron.algo.settings import VariantSettings
 from exgrpo_megatron.config.aliases import RENAMED_KEYS
 from exgrpo_megatron.config.schema import RootConfig
 
@@ -167,8 +169,8 @@ def _resolves_code(name: str) -> bool:
 
 @cache
 def _config_keys() -> frozenset[str]:
-    """Every config key (`algo.clip_ratio`, `rollout.generator.device`, the sections themselves) and every renamed
-    key's old name."""
+    """Every config key (`algo.clip_ratio`, `rollout.generator.device`, the sections themselves), every variant's
+    setting (`algo.settings.kl_coef`) and every renamed key's old name."""
     keys: set[str] = set()
 
     def walk(config: object, prefix: str) -> None:
@@ -179,6 +181,12 @@ def _config_keys() -> frozenset[str]:
                 walk(value, prefix + f.name + ".")
 
     walk(RootConfig(), "")
+    registered_names()  # imports the variants, so every settings class is defined
+    pending = [VariantSettings]
+    while pending:  # a variant's own settings: algo.settings.<field> (algo/settings.py)
+        cls = pending.pop()
+        pending += cls.__subclasses__()
+        keys |= {f"algo.settings.{f.name}" for f in dataclasses.fields(cls)}
     return frozenset(keys | set(RENAMED_KEYS))
 
 
