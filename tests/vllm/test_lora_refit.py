@@ -1,11 +1,11 @@
 """LoRA with rollout.engine=vllm: the refit streams each adapted linear's merged weight W + (B A) alpha/r.
 
-Adapters with non-zero B (alpha/r = 2, all four targets) on the tiny fp32 Qwen2 policy, at TP=1 and TP=2: vLLM's
-greedy tokens after the refit (also at PP=2) equal the megatron engine's (which runs the adapters unmerged) and transformers +
-PEFT's, the PEFT model built with peft's own LoraConfig on the HF base and our adapter values copied in by name
-(q/k/v share our linear_qkv's A, gate/up our linear_fc1's); vLLM's log-probs equal the policy's to 1e-4. A trainer
-run with LoRA and vLLM, started from adapters with non-zero B (checkpoint.init_from), keeps the rollout/trainer
-log-prob ratio at 1 at every step."""
+Adapters with non-zero B (alpha/r = 2, all four targets) on the tiny fp32 Qwen2 policy, at TP=1, TP=2 and PP=2: vLLM's
+greedy tokens after the refit equal the megatron engine's (which runs the adapters unmerged) and (TP=1, TP=2)
+transformers + PEFT's, the PEFT model built with peft's own LoraConfig on the HF base and our adapter values copied in
+by name (q/k/v share our linear_qkv's A, gate/up our linear_fc1's); vLLM's log-probs equal the policy's to 1e-4. A
+trainer run with LoRA and vLLM, started from adapters with non-zero B (checkpoint.init_from), keeps the
+rollout/trainer log-prob ratio at 1 at every step."""
 
 from __future__ import annotations
 
