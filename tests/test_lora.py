@@ -11,7 +11,7 @@ from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.schema import LoraConfig, RootConfig
 from exgrpo_megatron.config.validate import all_errors
 from exgrpo_megatron.model.param_layout import TPSplit, is_adapter, tp_shard, tp_split_of_param
-from tests.helpers.gather import full_tensors, load_full_tensors
+from tests.helpers.gather import full_tensors, load_full_tensors, with_random_lora_b
 from tests.helpers.multirank import run_on_ranks
 from tests.test_parallel_invariance import _batch, _ce_loss
 
@@ -108,11 +108,7 @@ def _policy_step(tp: int, init: dict | None, distributed_optimizer: bool = False
     init_distributed(tp, pp, seed=cfg.seed, expert_model_parallel_size=cfg.parallel.expert_model_parallel_size)
     policy = Policy(cfg)
     if init is None:
-        init = full_tensors(policy.modules, "data")
-        g = torch.Generator().manual_seed(3)
-        for name in sorted(init):
-            if name.endswith("lora_b"):
-                init[name] = torch.randn(init[name].shape, generator=g) * 0.05
+        init = with_random_lora_b(full_tensors(policy.modules, "data"), seed=3)
     load_full_tensors(policy.modules, init)
     frozen = [p for m in policy.modules for n, p in m.named_parameters() if not is_adapter(n)]
     adapters = [p for m in policy.modules for n, p in m.named_parameters() if is_adapter(n)]
@@ -222,11 +218,7 @@ def _weights_round_trip(overrides: list[str], save_to: str | None, load_from: st
                      expert_model_parallel_size=p.expert_model_parallel_size)
     policy = Policy(cfg)
     if save_to is not None:
-        full = full_tensors(policy.modules, "data")
-        g = torch.Generator().manual_seed(5)
-        for name in sorted(full):
-            if name.endswith("lora_b"):
-                full[name] = torch.randn(full[name].shape, generator=g)
+        full = with_random_lora_b(full_tensors(policy.modules, "data"), seed=5, scale=1.0)
         load_full_tensors(policy.modules, full)
         save_model_weights(save_to, policy.modules, model_config_yaml=model_config_to_yaml(cfg.model))
     if load_from is not None:
@@ -322,11 +314,7 @@ def _scored_logprobs(dropout: float) -> dict:
                                    f"lora.dropout={dropout}"])
     init_distributed(1, 1, seed=cfg.seed)
     policy = Policy(cfg)
-    full = full_tensors(policy.modules, "data")
-    g = torch.Generator().manual_seed(3)
-    for name in sorted(full):
-        if name.endswith("lora_b"):
-            full[name] = torch.randn(full[name].shape, generator=g) * 0.05
+    full = with_random_lora_b(full_tensors(policy.modules, "data"), seed=3)
     load_full_tensors(policy.modules, full)
     seqs, prompts = _batch()
     torch.manual_seed(8)

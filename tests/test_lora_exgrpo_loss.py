@@ -17,7 +17,7 @@ import torch
 
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.model.param_layout import is_adapter
-from tests.helpers.gather import full_tensors, load_full_tensors
+from tests.helpers.gather import full_tensors, load_full_tensors, with_random_lora_b
 from tests.helpers.multirank import run_on_ranks
 from tests.test_moe_parallel import _rows
 
@@ -102,11 +102,7 @@ def lora_exgrpo_update(packed: bool, phase_name: str) -> dict:
                                    f"trainer.sequence_packing={str(packed).lower()}"])
     layout = init_distributed(1, 1, seed=cfg.seed)
     policy = Policy(cfg)
-    full = full_tensors(policy.modules, "data")
-    g = torch.Generator().manual_seed(3)
-    for name in sorted(full):
-        if name.endswith("lora_b"):
-            full[name] = torch.randn(full[name].shape, generator=g) * 0.05
+    full = with_random_lora_b(full_tensors(policy.modules, "data"), seed=3)
     load_full_tensors(policy.modules, full)
 
     base_rows = _rows()  # two groups of three, the last row of each replayed

@@ -62,3 +62,11 @@ def load_full_tensors(modules: list[torch.nn.Module], full: dict) -> None:
         tp, rank = tp_coords(name)
         with torch.no_grad():
             p.data.copy_(tp_shard(full[name], tp_split_of_param(p), tp, rank).to(p.dtype))
+
+
+def with_random_lora_b(full: dict, seed: int, scale: float = 0.05) -> dict:
+    """`full` with every adapter's B drawn from N(0, scale^2), in name order from a generator seeded by `seed`: adapters
+    that change the function (B starts at 0), the same at every layout."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(t.shape, generator=g) * scale if name.endswith("lora_b") else t
+            for name, t in sorted(full.items())}
