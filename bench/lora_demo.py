@@ -34,15 +34,17 @@ def run_dir(arm: str, seed: int) -> str:
 
 
 def read_steps(path: str) -> list[dict]:
+    """The run's step records in step order (read_metrics skips a torn last line; a step logged again after a resume
+    keeps its last values)."""
+    from exgrpo_megatron.logging.metrics import read_metrics
+
     metrics = os.path.join(path, "metrics.jsonl")
     if not os.path.exists(metrics):
         return []
     by_step: dict[int, dict] = {}
-    with open(metrics) as f:
-        for line in f:
-            row = json.loads(line)
-            if "step" in row:
-                by_step.setdefault(int(row["step"]), {}).update(row)
+    for row in read_metrics(metrics):
+        if "step" in row:
+            by_step.setdefault(int(row["step"]), {}).update(row)
     return [by_step[s] for s in sorted(by_step)]
 
 
