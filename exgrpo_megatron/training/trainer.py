@@ -304,7 +304,8 @@ def run_training(cfg: RootConfig, preemption: PreemptionHandler | None = None,
                               expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                               collective_timeout_s=p.collective_timeout_s, collective_ledger=p.collective_ledger)
     watching.notify("distributed", layout)
-    algorithm = algorithm or build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
+    if algorithm is None:
+        algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     if layout.rank == 0:
         print(startup_block(cfg, layout, algorithm), flush=True)
     c = build_components(cfg, layout, algorithm)
