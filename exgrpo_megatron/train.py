@@ -11,10 +11,12 @@ and only lists the path problems) before any process group exists;
 an invalid config exits with status 2 and `key: value: reason` lines, as does a data set left without
 usable rows, a run directory that is unusable or held by another trainer (distributed/run_lock.py), and a
 resume whose checkpoint does not fit the config (config/resume_changes.py, checkpoint/compat.py); such a refusal
-removes the run directory it created. A collective that waits longer than `parallel.collective_timeout_s`, or
-ranks that the debug ledger finds issuing different collectives, end the run with status 5 and each stuck rank's
-stacks (distributed/collective_watch.py). A rank whose peer process died mid-run exits 1 with one line saying so
-(distributed/lost_peer.py), not gloo's traceback.
+removes the run directory it created. A dry run exits 3 when its memory plan does not fit one GPU
+(planning/memory_plan.py), and a run on a GPU whose plan exceeds the card exits 2 before building anything. A
+collective that waits longer than `parallel.collective_timeout_s`, or ranks that the debug ledger finds issuing
+different collectives, end the run with status 5 and each stuck rank's stacks (distributed/collective_watch.py). A
+rank whose peer process died mid-run exits 1 with one line saying so (distributed/lost_peer.py), not gloo's
+traceback.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from exgrpo_megatron.training.step_observer import StepObserver
 
 EXIT_INVALID_CONFIG = 2
+EXIT_PLAN_DOES_NOT_FIT = 3  # the dry run: the memory plan exceeds one GPU (planning/memory_plan.py)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -43,7 +46,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config-dir", "-cd", default=None, help="config directory (default: the repo's conf/)")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the values and print the plan; build nothing, read no model or data (paths "
-                             "that a run would stop on are listed, exit 0)")
+                             "that a run would stop on are listed; exit 0, or 3 when the memory plan does not fit "
+                             "one GPU)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="dry run: the memory of one target GPU in GiB (default: this machine's first GPU, "
+                             "else 80, the paper's H100 80GB)")
     parser.add_argument("--world-size", type=int, default=None,
                         help="world size to validate against (default: from torchrun/Slurm, else 1)")
     parser.add_argument("--phase-times", metavar="RUN_DIR", default=None,
@@ -82,7 +89,11 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequ
     from exgrpo_megatron.config.validate import ConfigError, response_store_key_errors, validate
     from exgrpo_megatron.convert.peft_adapter import peft_adapter_errors
     from exgrpo_megatron.distributed.launch_env import launch_env
-    from exgrpo_megatron.planning.startup_checks import moe_startup_errors, vllm_startup_errors
+    from exgrpo_megatron.planning.startup_checks import (
+        memory_startup_errors,
+        moe_startup_errors,
+        vllm_startup_errors,
+    )
 
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     world_size = args.world_size or launch_env().world_size
@@ -106,17 +117,25 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequ
         from exgrpo_megatron.config.domains import path_errors
         from exgrpo_megatron.planning.dry_run import dry_run_report
         from exgrpo_megatron.planning.generation_split import read_phase_times
+        from exgrpo_megatron.planning.memory_plan import memory_overruns
+        from exgrpo_megatron.planning.startup_checks import gpu_memory_gib
 
         try:
             times = read_phase_times(args.phase_times) if args.phase_times else None
         except ValueError as exc:
             print(f"exgrpo-train: {exc}", file=sys.stderr)
             return EXIT_INVALID_CONFIG
-        print(dry_run_report(cfg, world_size, replays=algorithm.uses_pool, phase_times=times))
+        gpu_gib = args.gpu_memory_gib or gpu_memory_gib()
+        print(dry_run_report(cfg, world_size, replays=algorithm.uses_pool, phase_times=times, gpu_memory_gib=gpu_gib))
         for line in path_errors(cfg):  # not needed for the plan; a real run would stop on them (exit 2)
             print(f"exgrpo-train: dry run: a run would exit 2 on {line}", file=sys.stderr)
+        if memory_overruns(cfg, world_size, gpu_gib):
+            print(f"exgrpo-train: dry run: the memory plan does not fit {gpu_gib:g} GiB per GPU at world size "
+                  f"{world_size} (the WARNING lines above); exit {EXIT_PLAN_DOES_NOT_FIT}", file=sys.stderr)
+            return EXIT_PLAN_DOES_NOT_FIT
         return 0
-    startup_errors = vllm_startup_errors(cfg) + moe_startup_errors(cfg) + peft_adapter_errors(cfg)
+    startup_errors = (vllm_startup_errors(cfg) + moe_startup_errors(cfg) + peft_adapter_errors(cfg)
+                      + memory_startup_errors(cfg, world_size))
     if startup_errors:
         print(f"exgrpo-train: {ConfigError(startup_errors)}", file=sys.stderr)
         return EXIT_INVALID_CONFIG

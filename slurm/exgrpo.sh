@@ -156,7 +156,10 @@ dry_rc=0
 srun --nodes=1 --ntasks=1 --ntasks-per-node=1 "${srun_container[@]}" \
   "$PYTHON" -m exgrpo_megatron.train --config-name "$PRESET" --dry-run --world-size "$NUM_TASKS" \
   "${overrides[@]}" | tee "$JOB_LOG_DIR/dry_run.txt" || dry_rc=$?
-if ((dry_rc != 0)); then
+if ((dry_rc == 3)); then
+  echo "[exgrpo] dry run: the memory plan does not fit one GPU (exit 3, the WARNING lines above): training not started" >&2
+  exit "$dry_rc"
+elif ((dry_rc != 0)); then
   echo "[exgrpo] dry run failed (exit $dry_rc): invalid configuration, training not started" >&2
   exit "$dry_rc"
 fi

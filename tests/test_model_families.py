@@ -152,7 +152,7 @@ def test_a_checkpoint_of_another_family_is_refused_naming_the_family():
 def test_qwen3_8b_memory_estimate_matches_formulas():
     """The preset's plan (TP=2, sequence parallel, full recompute, distributed optimizer over DP=4), by hand: the
     QK-norms' weights are replicated over TP, and their inputs (q and k) are kept per layer."""
-    from exgrpo_megatron.planning.dry_run import estimate_memory
+    from exgrpo_megatron.planning.memory_plan import estimate_memory
 
     cfg = load_config("exgrpo_qwen3_8b")
     est = estimate_memory(cfg, 8)

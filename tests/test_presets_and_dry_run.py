@@ -1,5 +1,6 @@
 """Every preset resolves and validates, follows the recipe and has its model's parameter count; the dry run's
-layout report, memory estimate and its refusals (exit 2 naming the key)."""
+layout report, memory estimate and its refusals (exit 2 naming the key; exit 3 when the memory plan does not fit one
+GPU)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import validate
-from exgrpo_megatron.planning.dry_run import dry_run_report, estimate_memory
+from exgrpo_megatron.planning.dry_run import dry_run_report
+from exgrpo_megatron.planning.memory_plan import estimate_memory
 from exgrpo_megatron.planning.model_size import count_parameters
+from exgrpo_megatron.planning.startup_checks import memory_startup_errors
 from exgrpo_megatron.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,21 +119,22 @@ def test_7b_memory_estimate_matches_formulas() -> None:
     assert m8.train_peak_without_sleep > 80 * GIB
 
 
-def test_dry_run_warns_when_a_layout_does_not_fit(capsys, preset_paths) -> None:
-    args = ["--config-name", "exgrpo_7b", "--dry-run", "--world-size", "8",
+def test_dry_run_exits_3_when_a_layout_does_not_fit(capsys, preset_paths) -> None:
+    args = ["--config-name", "exgrpo_7b", "--dry-run", "--world-size", "8", "--gpu-memory-gib", "80",
             "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false", *preset_paths]
-    assert train_main(args) == 0
-    out = capsys.readouterr().out
+    assert train_main(args) == 3
+    out, err = capsys.readouterr()
     assert "WARNING: does not fit: the training estimate" in out and "every estimate fits" not in out
+    assert "the memory plan does not fit 80 GiB per GPU at world size 8" in err
 
 
 @pytest.mark.parametrize("world, over", [(8, {"training": 9.7, "generation": 8.0}), (16, {}), (32, {})])
 def test_30b_a3b_preset_fits_at_16_and_32_gpus_and_says_it_does_not_at_8(world: int, over: dict, capsys,
                                                                          preset_paths) -> None:
     """The experts' optimizer state is sharded over expert-DP = world / EP only: at 8 GPUs (expert-DP 1) each GPU
-    keeps its 16 experts' fp32 master + Adam state whole, and the dry run names the estimates over 80 GiB."""
+    keeps its 16 experts' fp32 master + Adam state whole, and the dry run names the estimates over 80 GiB (exit 3)."""
     assert train_main(["--config-name", "exgrpo_qwen3_30b_a3b", "--dry-run", "--world-size", str(world),
-                       *preset_paths]) == 0
+                       "--gpu-memory-gib", "80", *preset_paths]) == (3 if over else 0)
     out = capsys.readouterr().out
     est = estimate_memory(load_config("exgrpo_qwen3_30b_a3b"), world)
     experts = 48 * 128 * 3 * 2048 * 768  # every expert's fc1 + fc2
@@ -142,6 +146,21 @@ def test_30b_a3b_preset_fits_at_16_and_32_gpus_and_says_it_does_not_at_8(world: 
         if phase in over:
             assert f"exceeds 80 GiB per GPU by {over[phase]} GiB" in out and "optimizer state 42.7" in out
     assert ("memory: every estimate fits in one GPU" in out) == (not over)
+
+
+def test_the_target_gpu_decides_what_fits(capsys, preset_paths) -> None:
+    """The 30B-A3B preset at 8 GPUs: over on 80 GiB cards, within 141 GiB ones (an H200) by the same estimate; a run
+    on such a card is refused at start-up with the fewest GPUs that fit, or allowed."""
+    args = ["--config-name", "exgrpo_qwen3_30b_a3b", "--dry-run", "--world-size", "8", *preset_paths]
+    assert train_main([*args, "--gpu-memory-gib", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU target, 141 GiB" in out and "memory: every estimate fits in one GPU" in out
+    cfg = load_config("exgrpo_qwen3_30b_a3b")
+    assert memory_startup_errors(cfg, 8, device_memory_bytes=141 * GIB) == []
+    [error] = memory_startup_errors(cfg, 8, device_memory_bytes=80 * GIB)
+    assert error.startswith("parallel: at world size 8 the memory plan does not fit this 80 GiB GPU")
+    assert "fits from 16 GPUs" in error and "the training estimate 89.7 GiB exceeds 80 GiB" in error
+    assert memory_startup_errors(cfg, 16, device_memory_bytes=80 * GIB) == []
 
 
 @pytest.mark.parametrize("args,key", [

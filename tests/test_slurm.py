@@ -264,3 +264,13 @@ def test_script_stops_on_invalid_config(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "parallel.tensor_model_parallel_size" in result.stderr
     assert len([c for c in calls if c[0] == "srun"]) == 1  # only the dry run; training never started
+
+
+def test_script_stops_when_the_memory_plan_does_not_fit(tmp_path: Path) -> None:
+    """7B at TP=1 on 8 GPUs of 80 GiB: the dry run exits 3 and training is never launched."""
+    result, calls = _run_script(tmp_path, "exgrpo_7b.sh", ["parallel.tensor_model_parallel_size=1",
+                                                           "parallel.sequence_parallel=false"], nnodes=1)
+    assert result.returncode == 3, result.stderr
+    assert "the memory plan does not fit one GPU" in result.stderr
+    assert len([c for c in calls if c[0] == "srun"]) == 1
+

@@ -1,6 +1,6 @@
 """What megatron-core 0.16 allocates on one rank for the trainable state, from the config alone: the model's
 parameters, the DDP gradient buffers, the optimizer's fp32 master weights and Adam's two moments, each counted in
-elements and split into dense and expert parts. The dry run's memory plan (planning/dry_run.py) is these counts
+elements and split into dense and expert parts. The dry run's memory plan (planning/memory_plan.py) is these counts
 times their bytes; tests/test_memory_plan.py checks them against what megatron allocates on gloo ranks.
 
 How megatron shards them:

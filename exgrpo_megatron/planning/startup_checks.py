@@ -5,7 +5,43 @@ from __future__ import annotations
 
 from exgrpo_megatron.config.derived import resolve_params_dtype
 from exgrpo_megatron.config.schema import RootConfig
+from exgrpo_megatron.planning.memory_plan import GPU_MEMORY_GIB, fewest_gpus_that_fit, memory_overruns
 from exgrpo_megatron.planning.model_size import count_parameters, kv_bytes_per_token
+
+GIB = 1024**3
+
+
+def gpu_memory_gib() -> float:
+    """The memory of this machine's first GPU in GiB, else GPU_MEMORY_GIB (the dry run's default target)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GIB
+    return GPU_MEMORY_GIB
+
+
+def memory_startup_errors(cfg: RootConfig, world_size: int, device_memory_bytes: int | None = None) -> list[str]:
+    """A run whose memory plan (planning/memory_plan.py, what the dry run prints) exceeds this machine's GPU is
+    refused before it builds anything, instead of running out of memory in its first step or its first refit.
+    `device_memory_bytes` defaults to the first GPU's; on the CPU build (no GPU) the plan, which models GPUs, is not
+    applied."""
+    if device_memory_bytes is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        device_memory_bytes = torch.cuda.get_device_properties(0).total_memory
+    gib = device_memory_bytes / GIB
+    overruns = memory_overruns(cfg, world_size, gib)
+    if not overruns:
+        return []
+    fewest = fewest_gpus_that_fit(cfg, gib)
+    fix = (f"at this layout the plan fits from {fewest} GPUs" if fewest
+           else "no world size up to 256 GPUs fits at this layout")
+    return [f"parallel: at world size {world_size} the memory plan does not fit this {gib:.0f} GiB GPU ({fix}; "
+            "or set model.recompute_activations=true, lower trainer.micro_batch_max_tokens or "
+            "rollout.max_batch_sequences; `--dry-run` shows the parts): "
+            + "; ".join(line.removeprefix("WARNING: does not fit: ") for line in overruns)]
 
 
 def vllm_startup_errors(cfg: RootConfig, device_memory_bytes: int | None = None) -> list[str]:
@@ -32,7 +68,7 @@ def vllm_startup_errors(cfg: RootConfig, device_memory_bytes: int | None = None)
     need = count_parameters(m, tp).total // tp * dtype_bytes + seq_len * kv_bytes_per_token(m, tp, 1) * dtype_bytes // 2
     share = v.gpu_memory_utilization * device_memory_bytes
     if need > share:
-        gib = 1024**3
+        gib = GIB
         return [f"rollout.vllm.gpu_memory_utilization: {v.gpu_memory_utilization} x "
                 f"{device_memory_bytes / gib:.1f} GiB = {share / gib:.2f} GiB cannot hold vLLM's weights + one "
                 f"{seq_len}-token sequence of KV cache "
