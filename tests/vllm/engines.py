@@ -84,3 +84,66 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
             out.append(ids[len(prompt):])
     return out
+
+
+LOGPROB_TOL = 1e-4  # |logp_vllm - logp_policy| per token in fp32
+PROMPTS = ["12+3=", "What is 7*8?", "<think>", "a"]
+NEW_TOKENS = 16
+
+
+def tiny_policy(tp: int, pp: int, model: ModelConfig, ep: int = 1, lora_rank: int = 0, lora_alpha: float = 0.0):
+    """(config, Policy) of the tiny model on this rank's process group (TP x PP, EP)."""
+    from exgrpo_megatron.config.schema import DataConfig, LoraConfig, ParallelConfig, RootConfig, TrainerConfig
+    from exgrpo_megatron.distributed.runtime import init_distributed
+    from exgrpo_megatron.policy.policy import Policy
+
+    init_distributed(tp, pp, seed=3, expert_model_parallel_size=ep)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep)
+    cfg = RootConfig(model=model, parallel=parallel, lora=LoraConfig(rank=lora_rank, alpha=lora_alpha),
+                     trainer=TrainerConfig(micro_batch_max_tokens=256, total_steps=1, train_batch_size=1,
+                                           ppo_mini_batch_size=1),
+                     data=DataConfig(tokenizer="char", max_prompt_length=32, max_response_length=24))
+    return cfg, Policy(cfg)
+
+
+class EnginePair:
+    """The policy with vLLM and the megatron engine on its weights (both built by the production factory), and the
+    comparisons every refit test makes: greedy tokens of either engine, and vLLM's sampled log-probs against the
+    policy's recomputed ones."""
+
+    def __init__(self, tp: int, pp: int, hf_dir: str, model: ModelConfig, ep: int = 1, lora_rank: int = 0,
+                 lora_alpha: float = 0.0, built_between=None) -> None:
+        """`built_between()`: called after vLLM is built and before the megatron engine (its value kept)."""
+        from exgrpo_megatron.data.tokenizer import CharTokenizer
+        from exgrpo_megatron.rollout.factory import build_rollout_engine
+
+        self.cfg, self.policy = tiny_policy(tp, pp, model, ep, lora_rank, lora_alpha)
+        tok = CharTokenizer()
+        common = dict(vllm=TEST_VLLM, hf_dir=hf_dir, seed=0, max_model_len=96, max_batch_sequences=16)
+        self.vllm = build_rollout_engine("vllm", self.policy.modules[0], self.cfg.model, tok,
+                                         weights_version=lambda: self.policy.weights_version, **common)
+        self.between = built_between() if built_between else None
+        self.megatron = build_rollout_engine("megatron", self.policy.modules[0], self.cfg.model, tok, **common)
+        self.prompts = [tok.encode(p) for p in PROMPTS]
+
+    def greedy(self, engine) -> list[list[int]]:
+        from exgrpo_megatron.rollout.types import SamplingParams
+
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=1, seed=1)
+        return [g[0].response_ids for g in engine.generate(self.prompts, 1, params)]
+
+    def sampled_logprob_diffs(self) -> tuple[list[torch.Tensor], int]:
+        """Per sample (2 per prompt, sampled by vLLM at T = 1) |vLLM's log-prob - the policy's| per token, and the
+        number of sampled tokens."""
+        from exgrpo_megatron.policy.train_batch import token_stats
+        from exgrpo_megatron.rollout.types import SamplingParams
+
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=2)
+        samples = [s for g in self.vllm.generate(self.prompts, 2, params) for s in g]
+        ref = token_stats(self.policy, [s.prompt_ids + s.response_ids for s in samples],
+                          [len(s.prompt_ids) for s in samples], site="test", temperature=1.0, with_entropy=False,
+                          max_tokens=256).logprobs
+        diffs = [(torch.tensor(s.logprobs, dtype=torch.float64) - r.double()).abs()
+                 for s, r in zip(samples, ref, strict=True)]
+        return diffs, sum(len(s.response_ids) for s in samples)

@@ -11,64 +11,37 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.multirank import run_on_ranks
+from tests.vllm.engines import LOGPROB_TOL
 
-LOGPROB_TOL = 1e-4
 BF16_MEAN_TOL, BF16_MAX_TOL = 0.02, 0.25  # |logp_vllm - logp_trainer| per token; bf16 keeps 8 mantissa bits
-PROMPTS = ["12+3=", "What is 7*8?", "<think>", "a"]
 
 
 def refit_case(tp: int, pp: int, hf_dir: str, dtype: str = "fp32", family: str = "qwen2") -> dict:
     import torch
 
-    from exgrpo_megatron.config.schema import DataConfig, ParallelConfig, RootConfig, TrainerConfig
-    from exgrpo_megatron.data.tokenizer import CharTokenizer
-    from exgrpo_megatron.distributed.runtime import init_distributed
     from exgrpo_megatron.distributed.threads import torch_threads
-    from exgrpo_megatron.policy.policy import Policy
-    from exgrpo_megatron.policy.train_batch import token_stats
-    from exgrpo_megatron.rollout.factory import build_rollout_engine
-    from exgrpo_megatron.rollout.types import SamplingParams
-    from tests.vllm.engines import TEST_VLLM, perturb_, tiny_model_config
+    from tests.vllm.engines import EnginePair, perturb_, tiny_model_config
 
-    init_distributed(tp, pp, seed=3)
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    cfg = RootConfig(model=tiny_model_config(params_dtype=dtype, family=family), parallel=parallel,
-                     trainer=TrainerConfig(micro_batch_max_tokens=256, total_steps=1, train_batch_size=1,
-                                           ppo_mini_batch_size=1),
-                     data=DataConfig(tokenizer="char", max_prompt_length=32, max_response_length=24))
-    policy = Policy(cfg)
-    tok = CharTokenizer()
-    common = dict(vllm=TEST_VLLM, hf_dir=hf_dir, seed=0, max_model_len=96, max_batch_sequences=16)
-    vllm = build_rollout_engine("vllm", policy.modules[0], cfg.model, tok,
-                                weights_version=lambda: policy.weights_version, **common)
-    wanted = torch.get_num_threads() + 1
-    with torch_threads(wanted):  # how the policy's passes get trainer.train_threads
-        train_threads_applied = torch.get_num_threads() == wanted
-    megatron = build_rollout_engine("megatron", policy.modules[0], cfg.model, tok, **common)
-    prompts = [tok.encode(p) for p in PROMPTS]
-    greedy = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=1, seed=1)
-    sampled = SamplingParams(max_new_tokens=16, temperature=1.0, seed=2)
-    before = [g[0].response_ids for g in vllm.generate(prompts, 1, greedy)]
+    def train_threads_applied() -> bool:  # vLLM built: how the policy's passes get trainer.train_threads
+        wanted = torch.get_num_threads() + 1
+        with torch_threads(wanted):
+            return torch.get_num_threads() == wanted
 
-    perturb_(policy.modules[0], seed=11)  # an in-place change, then the one signal: weights changed
-    policy.mark_weights_changed()
-    vllm.wake()
-    v_greedy = [g[0].response_ids for g in vllm.generate(prompts, 1, greedy)]
-    m_greedy = [g[0].response_ids for g in megatron.generate(prompts, 1, greedy)]
-    samples = [s for g in vllm.generate(prompts, 2, sampled) for s in g]
-    vllm.sleep()
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    ref = token_stats(policy, seqs, [len(s.prompt_ids) for s in samples], site="test", temperature=1.0,
-                      with_entropy=False, max_tokens=256).logprobs
-    abs_diffs = [(torch.tensor(s.logprobs, dtype=torch.float64) - r.double()).abs() for s, r in zip(samples, ref,
-                                                                                                      strict=True)]
-    diffs = [float(d.max()) for d in abs_diffs]
+    case = EnginePair(tp, pp, hf_dir, tiny_model_config(params_dtype=dtype, family=family),
+                      built_between=train_threads_applied)
+    before = case.greedy(case.vllm)
+    perturb_(case.policy.modules[0], seed=11)  # an in-place change, then the one signal: weights changed
+    case.policy.mark_weights_changed()
+    case.vllm.wake()
+    v_greedy, m_greedy = case.greedy(case.vllm), case.greedy(case.megatron)
+    abs_diffs, n_tokens = case.sampled_logprob_diffs()
+    case.vllm.sleep()
     every = torch.cat(abs_diffs)
-    return {"before": before, "vllm_greedy": v_greedy, "megatron_greedy": m_greedy, "max_logprob_diff": max(diffs),
+    return {"before": before, "vllm_greedy": v_greedy, "megatron_greedy": m_greedy,
+            "max_logprob_diff": max(float(d.max()) for d in abs_diffs),
             "mean_logprob_diff": float(every.mean()), "mult_prob_error": float(every.exp().mean()),
-            "param_dtype": str(next(policy.modules[0].parameters()).dtype),
-            "n_tokens": sum(len(s.response_ids) for s in samples), "can_sleep": vllm.can_sleep,
-            "train_threads_applied": train_threads_applied}
+            "param_dtype": str(next(case.policy.modules[0].parameters()).dtype),
+            "n_tokens": n_tokens, "can_sleep": case.vllm.can_sleep, "train_threads_applied": case.between}
 
 
 def _check(result: dict) -> None:

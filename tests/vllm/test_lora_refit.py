@@ -15,56 +15,29 @@ import pytest
 import torch
 
 from tests.helpers.multirank import run_on_ranks
-from tests.vllm.test_engine_refit import LOGPROB_TOL, PROMPTS
+from tests.vllm.engines import LOGPROB_TOL, NEW_TOKENS
 from tests.vllm.test_trainer_vllm import TOL, _train
 
 RANK, ALPHA = 4, 8.0
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-NEW_TOKENS = 16
 
 
 def lora_case(tp: int, pp: int, hf_dir: str) -> dict:
-    from exgrpo_megatron.config.schema import DataConfig, LoraConfig, ParallelConfig, RootConfig, TrainerConfig
-    from exgrpo_megatron.data.tokenizer import CharTokenizer
-    from exgrpo_megatron.distributed.runtime import init_distributed
     from exgrpo_megatron.model.param_layout import named_global_params
-    from exgrpo_megatron.policy.policy import Policy
-    from exgrpo_megatron.policy.train_batch import token_stats
-    from exgrpo_megatron.rollout.factory import build_rollout_engine
     from exgrpo_megatron.rollout.refit import gather_tp_params
-    from exgrpo_megatron.rollout.types import SamplingParams
-    from tests.vllm.engines import TEST_VLLM, randomise_adapters_, tiny_model_config
+    from tests.vllm.engines import EnginePair, randomise_adapters_, tiny_model_config
 
-    init_distributed(tp, pp, seed=3)
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    cfg = RootConfig(model=tiny_model_config(), parallel=parallel,
-                     lora=LoraConfig(rank=RANK, alpha=ALPHA),
-                     trainer=TrainerConfig(micro_batch_max_tokens=256, total_steps=1, train_batch_size=1,
-                                           ppo_mini_batch_size=1),
-                     data=DataConfig(tokenizer="char", max_prompt_length=32, max_response_length=24))
-    policy = Policy(cfg)
-    tok = CharTokenizer()
-    common = dict(vllm=TEST_VLLM, hf_dir=hf_dir, seed=0, max_model_len=96, max_batch_sequences=16)
-    vllm = build_rollout_engine("vllm", policy.modules[0], cfg.model, tok,
-                                weights_version=lambda: policy.weights_version, **common)
-    megatron = build_rollout_engine("megatron", policy.modules[0], cfg.model, tok, **common)
-    prompts = [tok.encode(p) for p in PROMPTS]
-    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=1, seed=1)
-    base_greedy = [g[0].response_ids for g in vllm.generate(prompts, 1, greedy)]  # B = 0: the base model
-
-    randomise_adapters_(policy.modules, seed=17)
-    policy.mark_weights_changed()
-    v_greedy = [g[0].response_ids for g in vllm.generate(prompts, 1, greedy)]
-    m_greedy = [g[0].response_ids for g in megatron.generate(prompts, 1, greedy)]
-    samples = [s for g in vllm.generate(prompts, 2, SamplingParams(max_new_tokens=NEW_TOKENS, seed=2)) for s in g]
-    ref = token_stats(policy, [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples],
-                      site="test", temperature=1.0, with_entropy=False, max_tokens=256).logprobs
-    diff = max(float((torch.tensor(s.logprobs, dtype=torch.float64) - r.double()).abs().max())
-               for s, r in zip(samples, ref, strict=True))
-    named = named_global_params(policy.modules, tied_copy=False)
+    case = EnginePair(tp, pp, hf_dir, tiny_model_config(), lora_rank=RANK, lora_alpha=ALPHA)
+    base_greedy = case.greedy(case.vllm)  # B = 0: the base model
+    randomise_adapters_(case.policy.modules, seed=17)
+    case.policy.mark_weights_changed()
+    v_greedy, m_greedy = case.greedy(case.vllm), case.greedy(case.megatron)
+    diffs, _ = case.sampled_logprob_diffs()
+    named = named_global_params(case.policy.modules, tied_copy=False)
     full = dict(zip([n for n, _ in named], gather_tp_params([p for _, p in named]), strict=True))
-    return {"prompts": prompts, "base_greedy": base_greedy, "vllm_greedy": v_greedy, "megatron_greedy": m_greedy,
-            "max_logprob_diff": diff, "params": {n: t.detach().clone() for n, t in full.items()}}
+    return {"prompts": case.prompts, "base_greedy": base_greedy, "vllm_greedy": v_greedy, "megatron_greedy": m_greedy,
+            "max_logprob_diff": max(float(d.max()) for d in diffs),
+            "params": {n: t.detach().clone() for n, t in full.items()}}
 
 
 def peft_greedy(hf_dir: str, params: dict[str, torch.Tensor], prompts: list[list[int]]) -> list[list[int]]:

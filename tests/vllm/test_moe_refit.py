@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.multirank import run_on_ranks
-from tests.vllm.test_engine_refit import LOGPROB_TOL, PROMPTS
-
-NEW_TOKENS = 16
+from tests.vllm.engines import LOGPROB_TOL, NEW_TOKENS
 
 
 def perturb_by_global_name_(chunks) -> None:
@@ -28,55 +26,25 @@ def perturb_by_global_name_(chunks) -> None:
             p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def moe_policy(ep: int):
-    from exgrpo_megatron.config.schema import DataConfig, ParallelConfig, RootConfig, TrainerConfig
-    from exgrpo_megatron.distributed.runtime import init_distributed
-    from exgrpo_megatron.policy.policy import Policy
-    from tests.vllm.engines import tiny_model_config
-
-    init_distributed(1, 1, seed=3, expert_model_parallel_size=ep)
-    cfg = RootConfig(model=tiny_model_config(family="qwen3_moe"),
-                     parallel=ParallelConfig(expert_model_parallel_size=ep),
-                     trainer=TrainerConfig(micro_batch_max_tokens=256, total_steps=1, train_batch_size=1,
-                                           ppo_mini_batch_size=1),
-                     data=DataConfig(tokenizer="char", max_prompt_length=32, max_response_length=24))
-    return cfg, Policy(cfg)
-
-
 def ep2_case(hf_dir: str) -> dict:
-    from exgrpo_megatron.data.tokenizer import CharTokenizer
-    from exgrpo_megatron.policy.train_batch import token_stats
-    from exgrpo_megatron.rollout.factory import build_rollout_engine
-    from exgrpo_megatron.rollout.types import SamplingParams
-    from tests.vllm.engines import TEST_VLLM
+    from tests.vllm.engines import EnginePair, tiny_model_config
 
-    cfg, policy = moe_policy(2)
-    tok = CharTokenizer()
-    common = dict(vllm=TEST_VLLM, hf_dir=hf_dir, seed=0, max_model_len=96, max_batch_sequences=16)
-    vllm = build_rollout_engine("vllm", policy.modules[0], cfg.model, tok,
-                                weights_version=lambda: policy.weights_version, **common)
-    megatron = build_rollout_engine("megatron", policy.modules[0], cfg.model, tok, **common)
-    prompts = [tok.encode(p) for p in PROMPTS]
-    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=1, seed=1)
-    before = [g[0].response_ids for g in vllm.generate(prompts, 1, greedy)]
-    perturb_by_global_name_(policy.modules)
-    policy.mark_weights_changed()
-    v_greedy = [g[0].response_ids for g in vllm.generate(prompts, 1, greedy)]
-    m_greedy = [g[0].response_ids for g in megatron.generate(prompts, 1, greedy)]
-    samples = [s for g in vllm.generate(prompts, 2, SamplingParams(max_new_tokens=NEW_TOKENS, seed=2)) for s in g]
-    ref = token_stats(policy, [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples],
-                      site="test", temperature=1.0, with_entropy=False, max_tokens=256).logprobs
-    diff = max(float((torch.tensor(s.logprobs, dtype=torch.float64) - r.double()).abs().max())
-               for s, r in zip(samples, ref, strict=True))
-    return {"prompts": prompts, "before": before, "vllm_greedy": v_greedy, "megatron_greedy": m_greedy,
-            "max_logprob_diff": diff}
+    case = EnginePair(1, 1, hf_dir, tiny_model_config(family="qwen3_moe"), ep=2)
+    before = case.greedy(case.vllm)
+    perturb_by_global_name_(case.policy.modules)
+    case.policy.mark_weights_changed()
+    v_greedy, m_greedy = case.greedy(case.vllm), case.greedy(case.megatron)
+    diffs, _ = case.sampled_logprob_diffs()
+    return {"prompts": case.prompts, "before": before, "vllm_greedy": v_greedy, "megatron_greedy": m_greedy,
+            "max_logprob_diff": max(float(d.max()) for d in diffs)}
 
 
 def transformers_greedy_ep1(hf_dir: str, prompts: list[list[int]]) -> list[list[int]]:
     """The EP=1 policy with the same weights, converted to HF and run by transformers' Qwen3MoeForCausalLM."""
     from exgrpo_megatron.rollout.refit import iter_hf_weight_buckets
+    from tests.vllm.engines import tiny_model_config, tiny_policy
 
-    cfg, policy = moe_policy(1)
+    cfg, policy = tiny_policy(1, 1, tiny_model_config(family="qwen3_moe"))
     perturb_by_global_name_(policy.modules)
     weights = {n: t.clone() for b in iter_hf_weight_buckets(policy.modules, cfg.model, 1 << 30) for n, t in b}
     return transformers_greedy(hf_dir, weights, prompts)
