@@ -26,6 +26,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -112,9 +113,30 @@ def measure(n_questions: int) -> dict:
     }
 
 
-def _child(n_questions: int, queue) -> None:
+def _child(measure_fn: Callable[[int], dict], n_questions: int, queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    queue.put(measure(n_questions))
+    queue.put(measure_fn(n_questions))
+
+
+def each_in_fresh_process(measure_fn: Callable[[int], dict], sizes: list[int]) -> Iterator[dict]:
+    """`measure_fn(n)` for each size in a fresh (spawned, one-thread) process, so that its RSS delta is its own."""
+    ctx = mp.get_context("spawn")
+    for n in sizes:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_child, args=(measure_fn, n, queue))
+        proc.start()
+        row = queue.get()
+        proc.join()
+        yield row
+
+
+def write_result(name: str, fields: dict, rows: list[dict]) -> None:
+    """bench/results/<name>.json: the bench's fields, this machine and the rows."""
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared, loaded)"
+    path = Path(__file__).parent / "results" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**fields, "machine": machine, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -123,18 +145,12 @@ def main() -> None:
 
         response_store_main([int(float(a)) for a in sys.argv[2:]])
         return
-    ctx = mp.get_context("spawn")
     rows = []
     header = f"{'questions':>10} {'traj':>9} {'step ms (med/p90)':>18} {'cpu ms':>7} {'update ms':>9} " \
              f"{'sample ms':>9} {'B/token RSS':>11} {'fill s':>7} {'state s':>7} {'original s/step':>15}"
     print(header)
     sizes = [int(float(a)) for a in sys.argv[1:]] or SIZES  # e.g. `python bench/experience_pool.py 1e3 1e4`
-    for n in sizes:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_child, args=(n, queue))
-        proc.start()
-        row = queue.get()
-        proc.join()
+    for n, row in zip(sizes, each_in_fresh_process(measure, sizes), strict=True):
         rows.append(row)
         orig = row["original_seconds_per_step"]
         print(f"{n:>10} {row['trajectories']:>9} {row['step_ms_median']:>9.2f}/{row['step_ms_p90']:<8.2f} "
@@ -142,17 +158,10 @@ def main() -> None:
               f"{row['sample_and_stats_ms_median']:>9.2f} "
               f"{row['rss_bytes_per_stored_token']:>11.1f} "
               f"{row['fill_seconds']:>7.1f} {row['state_dict_seconds']:>7.2f} {'' if orig is None else orig:>15}")
-    out = {
+    write_result("experience_pool", {
         "description": "per-step bookkeeping (update 128 groups of 8 + sample 64 with selection + stats), single "
                        "process; synthetic 64-token trajectories, 2 per question at fill",
-        "trajectory_tokens": TOKENS, "group_size": K, "batch_groups": BATCH, "n_exp": N_EXP,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared, loaded)",
-        "rows": rows,
-    }
-    path = Path(__file__).parent / "results" / "experience_pool.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+        "trajectory_tokens": TOKENS, "group_size": K, "batch_groups": BATCH, "n_exp": N_EXP}, rows)
 
 
 if __name__ == "__main__":

@@ -8,23 +8,15 @@ them (the RSS delta minus the payload is that overhead).
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
-import os
-import platform
 import time
-from pathlib import Path
 
 import numpy as np
+
+from bench.experience_pool import each_in_fresh_process, rss_bytes, write_result
 
 K, BATCH, R, TOKENS = 8, 128, 8, 64
 SIZES = [10_000, 100_000]
 TIMED_STEPS, WARMUP_STEPS = 30, 3
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def responses(rng, n: int, step: int) -> list:
@@ -75,33 +67,17 @@ def measure(n_questions: int) -> dict:
     }
 
 
-def _child(n_questions: int, queue) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    queue.put(measure(n_questions))
-
-
 def main(sizes: list[int]) -> None:
-    ctx = mp.get_context("spawn")
     rows = []
     print(f"{'questions':>10} {'responses':>10} {'RSS MB':>8} {'B/token RSS':>11} {'ckpt MB':>8} "
           f"{'step ms':>8} {'cpu ms':>7} {'state s':>7}")
-    for n in sizes or SIZES:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_child, args=(n, queue))
-        proc.start()
-        row = queue.get()
-        proc.join()
+    sizes = sizes or SIZES
+    for n, row in zip(sizes, each_in_fresh_process(measure, sizes), strict=True):
         rows.append(row)
         print(f"{n:>10} {row['responses']:>10} {row['rss_bytes'] / 2**20:>8.1f} "
               f"{row['rss_bytes_per_stored_token']:>11.1f} {row['checkpoint_bytes'] / 2**20:>8.1f} "
               f"{row['step_ms_median']:>8.2f} {row['step_cpu_ms_median']:>7.2f} {row['state_dict_seconds']:>7.2f}")
-    out = {
+    write_result("response_store", {
         "description": "response store (in-group / rescue replay): r responses per question, each TOKENS tokens; per "
                        "step fetch(128) + update(128 groups of 8) + expire + stats; single process",
-        "responses_per_question": R, "response_tokens": TOKENS, "group_size": K, "batch_groups": BATCH,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared, loaded)",
-        "rows": rows,
-    }
-    path = Path(__file__).parent / "results" / "response_store.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+        "responses_per_question": R, "response_tokens": TOKENS, "group_size": K, "batch_groups": BATCH}, rows)
