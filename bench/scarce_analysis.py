@@ -13,12 +13,13 @@ runs of a seed share their warm start), 95% t-intervals over the paired differen
 * (c) weak start only: the training questions at <= 1/8 correct at the warm start that reach >= 4/8 at the end
   (pass@8 probe at T = 1: start_train_probe.json, train_probe.json), arm minus GRPO.
 A verdict is `pays` (the interval excludes 0 on the paying side and the threshold is met), `straddles` (the point is
-on the paying side, the interval reaches 0: extend to 10 seeds, as pre-registered), `does not pay`, or `too few
-seeds`. A replay arm that pays against GRPO but not against GRPO with one more update pass on the same criterion is
-listed under `more_updates_not_replay`. Every comparison is also reported per step (end-of-run test and final
-validation), per generated trajectory (validation at equal generation) and per training FLOP (validation at equal
-training tokens: `train/tokens`, prompt + response tokens of every trained row times the update passes; a FLOP is
-~6 x parameters per token for every arm of one model and these ~30-token sequences, so equal tokens = equal FLOPs).
+on the paying side, the interval reaches 0: extend to 10 seeds, as pre-registered; at 10 seeds it does not pay),
+`does not pay`, or `too few seeds` (fewer than 5 paired seeds). A replay arm that pays against GRPO but not against
+GRPO with one more update pass on the same criterion is listed under `more_updates_not_replay`. Every comparison is
+also reported per step (end-of-run test and final validation), per generated trajectory (validation at equal
+generation) and per training FLOP (validation at equal training tokens: `train/tokens`, prompt + response tokens of
+every trained row times the update passes; a FLOP is ~6 x parameters per token for every arm of one model and these
+~30-token sequences, so equal tokens = equal FLOPs).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ EXTRA_PASS = "grpo_extra_pass"
 SAVING_AT_LEAST = 0.25
 HARD_AT_MOST, CLIMBED_AT_LEAST = 1, 4  # correct of 8
 PROBE_KEY = "correct_of_8_T1"  # tools/arithmetic_eval.py test --counts --temperatures 1.0
+MIN_SEEDS, EXTENDED_SEEDS = 5, 10  # paired seeds for a verdict; for one whose interval straddles its threshold
 EQUAL_GENERATION = 0.01  # relative difference of two runs' generated trajectories counted as equal generation
 TEST_KEYS = fa.TEST_KEYS
 
@@ -93,11 +95,15 @@ def saving(arm: dict, grpo: dict) -> float | None:
 
 def judge(ci: dict, at_least: float = 0.0) -> str:
     """The pre-registered reading of a paired mean and its 95% interval (module docstring)."""
-    if ci.get("mean") is None or ci.get("ci95") is None:
-        return f"too few seeds ({ci.get('n', 0)})"
+    n = ci.get("n", 0)
+    if ci.get("mean") is None or ci.get("ci95") is None or n < MIN_SEEDS:
+        return f"too few seeds ({n})"
     mean, low = ci["mean"], ci["mean"] - ci["ci95"]
     if mean > 0 and mean >= at_least:
-        return "pays" if low > 0 else "straddles: extend to 10 seeds"
+        if low > 0:
+            return "pays"
+        return ("does not pay (the interval still reaches 0 at 10 seeds)" if n >= EXTENDED_SEEDS
+                else "straddles: extend to 10 seeds")
     return "does not pay"
 
 

@@ -93,12 +93,13 @@ def _record(root: Path, variant: str, seed: int, reach_step: int, greedy: float,
 
 
 def _grid(root: Path) -> None:
-    """Capable and weak start at 256 questions. in-group replay reaches GRPO's peak at steps 160/192/160 (savings
-    .5/.4/.5) and ends 5 points above it; the extra pass does exactly what in-group replay does (so in-group replay
-    is "more updates, not replay"); append generates 80 per step; rescue replay has one seed only."""
+    """Capable and weak start at 256 questions, 5 seeds (a verdict needs 5). in-group replay reaches GRPO's peak at
+    steps 160/192/160/160/160 (savings .5/.4/.5/.5/.5) and ends 5 points above it; the extra pass does exactly what
+    in-group replay does (so in-group replay is "more updates, not replay"); append generates 80 per step on 2 seeds;
+    rescue replay has one seed only."""
     start = [0] * 5 + [1] * 5 + [2] * 2 + [5] * 4  # 10 questions at <= 1/8 at the warm start (2/8 is not hard)
     for prefix in ("", "weak_"):
-        for seed in (1, 2, 3):
+        for seed in (1, 2, 3, 4, 5):
             climbed = {"grpo": 2, "replay": 5 + seed % 2}
             probes = {k: (start, [4] * v + [0] * (10 - v) + [8] * 6) for k, v in climbed.items()} if prefix else {}
             _record(root, f"{prefix}grpo_q256", seed, 320, 0.50 + 0.01 * seed, probes=probes.get("grpo"))
@@ -116,16 +117,16 @@ def test_scarce_analysis_reads_partial_grids_and_applies_the_pre_registered_crit
     out = sa.analyse(str(tmp_path / "records"), [1, 2, 3, 4, 5], str(png))
     assert set(out["cells"]) == {"capable_256", "weak_256"} and png.is_file()  # no 1,024-question records yet
     for name, cell in out["cells"].items():
-        assert cell["seeds_per_arm"] == {"grpo": 3, "grpo_extra_pass": 3, "ingroup_replay": 3, "rescue_replay": 1,
+        assert cell["seeds_per_arm"] == {"grpo": 5, "grpo_extra_pass": 5, "ingroup_replay": 5, "rescue_replay": 1,
                                          "exgrpo_append": 2}, name
         ingroup = cell["versus"]["ingroup_replay"]["grpo"]
-        assert ingroup["seeds"] == [1, 2, 3] and ingroup["a_measure"].startswith("greedy test accuracy")
-        assert ingroup["a"]["mean"] == pytest.approx(0.05 + 0.002 * 14 / 3)
-        assert ingroup["b_saving"]["mean"] == pytest.approx((0.5 + 0.4 + 0.5) / 3)
+        assert ingroup["seeds"] == [1, 2, 3, 4, 5] and ingroup["a_measure"].startswith("greedy test accuracy")
+        assert ingroup["a"]["mean"] == pytest.approx(0.05 + 0.002 * 55 / 5)
+        assert ingroup["b_saving"]["mean"] == pytest.approx((0.5 + 0.4 + 0.5 + 0.5 + 0.5) / 5)
         assert ingroup["verdict"]["a"] == "pays" and ingroup["verdict"]["b"] == "pays"
         assert ingroup["per_trajectory_val"]["mean"] == 0.0  # both at 0.6 at the end: equal generation
         # twice the training tokens per step: at GRPO's total tokens, in-group replay is at step 160 (seed 2: 0.5)
-        assert ingroup["per_token_val"]["mean"] == pytest.approx(-0.1 / 3)
+        assert ingroup["per_token_val"]["mean"] == pytest.approx(-0.1 / 5)
         versus_extra = cell["versus"]["ingroup_replay"]["grpo_extra_pass"]
         assert versus_extra["a"]["mean"] == 0.0 and versus_extra["verdict"]["a"] == "does not pay"
         expected = ["a", "b", "c"] if name.startswith("weak") else ["a", "b"]
@@ -134,12 +135,12 @@ def test_scarce_analysis_reads_partial_grids_and_applies_the_pre_registered_crit
         append = cell["versus"]["exgrpo_append"]["grpo"]
         assert append["a_measure"].startswith("validation accuracy at the common generation budget")
         assert append["b_saving"]["mean"] == pytest.approx(1 - 80 / 64)  # GRPO's peak at the same step, 80 vs 64
-        assert append["verdict"]["b"] == "does not pay"
+        assert append["verdict"]["b"] == "too few seeds (2)"  # no verdict below 5 paired seeds
         assert "rescue_replay" not in cell["versus"].get("exgrpo_append", {})
     weak = out["cells"]["weak_256"]
     climb = weak["versus"]["ingroup_replay"]["grpo"]["c_climbed"]
-    assert climb["mean"] == pytest.approx((4 + 3 + 4) / 3) and weak["versus"]["ingroup_replay"]["grpo"]["verdict"][
-        "c"] == "pays"
+    assert climb["mean"] == pytest.approx((4 + 3 + 4 + 3 + 4) / 5)
+    assert weak["versus"]["ingroup_replay"]["grpo"]["verdict"]["c"] == "pays"
     assert weak["arms"]["grpo"]["hard_questions"]["mean"] == 10 and weak["arms"]["grpo"]["hard_climbed"]["mean"] == 2
     assert "c_climbed" not in out["cells"]["capable_256"]["versus"]["ingroup_replay"]["grpo"]
     text = sa.markdown(out)
@@ -152,6 +153,9 @@ def test_judge_reads_an_interval_as_pre_registered():
     assert sa.judge({"mean": 0.2, "ci95": 0.1, "n": 5}, 0.25) == "does not pay"  # the saving threshold is not met
     assert sa.judge({"mean": -0.01, "ci95": 0.1, "n": 5}) == "does not pay"
     assert sa.judge({"mean": 0.01, "ci95": None, "n": 1}) == "too few seeds (1)"
+    assert sa.judge({"mean": 0.3, "ci95": 0.1, "n": 4}) == "too few seeds (4)"  # no verdict below 5 paired seeds
+    assert sa.judge({"mean": 0.3, "ci95": 0.4, "n": 10}) == "does not pay (the interval still reaches 0 at 10 seeds)"
+    assert sa.judge({"mean": 0.3, "ci95": 0.1, "n": 10}) == "pays"
 
 
 def test_imported_records_keep_their_metrics(tmp_path):
