@@ -12,8 +12,8 @@ ABLATIONS: dict[str, list[str]] = {
     "no_question_selection": ["experience.bucket_manager=uniform"],
     "random_trajectory": ["experience.metric=random"],
     "highest_entropy_trajectory": ["experience.select_mode=argmax"],
-    "no_policy_shaping": ["algo.policy_shaping=false"],
-    "no_is_correction": ["algo.replay_is_correction=false"],
+    "no_policy_shaping": ["algo.settings.policy_shaping=false"],
+    "no_is_correction": ["algo.settings.replay_is_correction=false"],
     "rho_0.25": ["experience.ratio=0.25"],
     "rho_0.75": ["experience.ratio=0.75"],
     "sigma_0.5": ["experience.bucket_sigma=0.5"],  # Tab. 3: narrower bucket weights (count units, as the code)
@@ -39,7 +39,7 @@ WEAK_START: dict[str, list[str]] = {f"weak_{arm}": [*ov, *WEAK_START_OVERRIDES] 
 # * grpo_same_code / exgrpo_same_code: the two arms again at this code version (their records above were made at an
 #   earlier one; one code version per comparison), the baselines the analysis pairs the recipes with;
 # * weak_<recipe>: each replay recipe and the same-code baselines from the weak start (WEAK_START_OVERRIDES).
-TIS_REPLAY = ["algo.policy_shaping=false", "algo.replay_tis_cap=2"]
+TIS_REPLAY = ["algo.settings.policy_shaping=false", "algo.settings.replay_tis_cap=2"]
 RECIPES: dict[str, list[str]] = {
     "append_rho_0.5": ["experience.placement=append", "experience.ratio=0.5"],
     "append_rho_0.25": ["experience.placement=append", "experience.ratio=0.25"],
@@ -53,7 +53,7 @@ RECIPES: dict[str, list[str]] = {
 MATCHED_GRPO = {"append_rho_0.5": "grpo_b12", "append_rho_0.25": "grpo_b10"}
 # Beyond the paper: ExGRPO with its fresh tokens clipped in the mixed phase as the GRPO arm's are
 # throughout, at GRPO's best rate and the stability rate, where unclipped ExGRPO falls behind.
-DIAGNOSES: dict[str, list[str]] = {"exgrpo_mixed_clip": ["algo.mixed_phase_clip=true"]}
+DIAGNOSES: dict[str, list[str]] = {"exgrpo_mixed_clip": ["algo.settings.mixed_phase_clip=true"]}
 WEAK_RECIPES: dict[str, list[str]] = {f"weak_{name}": [*ov, *WEAK_START_OVERRIDES] for name, ov in RECIPES.items()
                                       if not name.startswith("grpo_b")}
 # The data-scarce regime (conf/scarce_<n>_cpu.yaml; docs/results.md, "Pre-registered: replay that costs no

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from exgrpo_megatron.algo.registry import settings_in_effect
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import ConfigError, validate
 from exgrpo_megatron.machine.transformer_engine import transformer_engine_available
@@ -24,7 +25,8 @@ def test_overrides_apply_and_defaults_follow_the_paper():
     cfg = load_config("exgrpo_7b", ["experience.ratio=0.25", "++parallel.tensor_model_parallel_size=4"])
     assert cfg.experience.ratio == 0.25
     assert cfg.parallel.tensor_model_parallel_size == 4
-    assert (cfg.rollout.n, cfg.optim.lr, cfg.algo.shaping_beta, cfg.algo.entropy_coeff) == (8, 1e-6, 0.1, 0.001)
+    assert (cfg.rollout.n, cfg.optim.lr, cfg.algo.entropy_coeff) == (8, 1e-6, 0.001)
+    assert settings_in_effect(cfg.algo)["shaping_beta"] == 0.1  # ExGRPO's own setting, at the paper's value
     assert (cfg.experience.delayed_start_pass_rate, cfg.experience.admit_correct_at_most, cfg.trainer.total_steps) == (
         0.35, 7, 701)
     validate(cfg, 8, check_paths=False)  # the preset's model and data are not on this machine
@@ -80,7 +82,12 @@ def test_transformer_engine_is_absent_on_cpu():
 
 
 @pytest.mark.parametrize("old, new, value", [
-    ("algo.exp_is_correct", "algo.replay_is_correction", False),
+    ("algo.exp_is_correct", "algo.settings.replay_is_correction", False),
+    ("algo.replay_is_correction", "algo.settings.replay_is_correction", False),
+    ("algo.shaping_beta", "algo.settings.shaping_beta", 0.2),
+    ("algo.policy_shaping", "algo.settings.policy_shaping", False),
+    ("algo.replay_tis_cap", "algo.settings.replay_tis_cap", 2.0),
+    ("algo.mixed_phase_clip", "algo.settings.mixed_phase_clip", True),
     ("trainer.experience_start_sratio", "experience.delayed_start_pass_rate", 0.125),
     ("trainer.experience_lbound", "experience.admit_correct_above", 1),
     ("trainer.experience_rbound", "experience.admit_correct_at_most", 5),
@@ -97,8 +104,10 @@ def test_transformer_engine_is_absent_on_cpu():
 def test_a_renamed_key_is_accepted_under_its_old_name_with_a_notice(old, new, value, capsys):
     literal = str(value).lower() if isinstance(value, bool) else str(value)
     cfg = load_config("demo_cpu", [f"{old}={literal}"])
-    group, leaf = new.split(".")
-    assert getattr(getattr(cfg, group), leaf) == value
+    node: object = cfg
+    for part in new.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    assert node == value
     assert f"{old} is now {new}" in capsys.readouterr().err
 
 

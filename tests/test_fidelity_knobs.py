@@ -300,12 +300,12 @@ def test_paired_difference_is_the_per_seed_mean_with_a_t_interval():
 
 @pytest.mark.parametrize("clip", [False, True])
 def test_mixed_phase_clip_switch(clip):
-    """algo.mixed_phase_clip (issue-15 diagnostic), through Algorithm.loss: a fresh token whose ratio is past 1 + eps
-    with A > 0 gets the plain gradient -A rho in the paper's unclipped mixed phase and none when clipped; the replayed
-    token's f(w) gradient is the same either way; the warm-up phase clips in both settings."""
+    """algo.settings.mixed_phase_clip (issue-15 diagnostic), through Algorithm.loss: a fresh token whose ratio is past
+    1 + eps with A > 0 gets the plain gradient -A rho in the paper's unclipped mixed phase and none when clipped;
+    the replayed token's f(w) gradient is the same either way; the warm-up phase clips in both settings."""
     from exgrpo_megatron.experience.schedule import Phase
 
-    cfg = load_config("fidelity_cpu", [f"algo.mixed_phase_clip={str(clip).lower()}"])
+    cfg = load_config("fidelity_cpu", [f"algo.settings.mixed_phase_clip={str(clip).lower()}"])
     algo = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     old = torch.tensor([[-1.0], [-1.0]], dtype=torch.float64)
     log_rho, log_w, adv = 0.5, 0.3, 0.75  # rho = e^0.5 > 1.2: outside the clip range
@@ -319,7 +319,7 @@ def test_mixed_phase_clip_switch(clip):
         loss, _ = algo.loss(batch, phase=phase, normalisers=(1.0, 1.0))
         return torch.autograd.grad(loss, lp)[0].flatten().tolist()
 
-    w, beta = math.exp(log_w), cfg.algo.shaping_beta
+    w, beta = math.exp(log_w), algo.shaping_beta
     mixed_fresh, mixed_replay = grads(Phase.MIXED)
     assert mixed_fresh == pytest.approx(0.0 if clip else -adv * math.exp(log_rho), abs=1e-12)
     assert mixed_replay == pytest.approx(-adv * beta * w / (w + beta) ** 2, rel=1e-12)

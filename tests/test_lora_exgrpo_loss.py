@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from exgrpo_megatron.algo.registry import settings_in_effect
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.model.param_layout import is_adapter
 from tests.helpers.gather import full_tensors, load_full_tensors, with_random_lora_b
@@ -140,7 +141,7 @@ def lora_exgrpo_update(packed: bool, phase_name: str) -> dict:
     a = cfg.algo
     n_tok = float(sum(batch.response_lengths))
     ref = reference_loss(ref_logits, rows, old, mixed=phase != Phase.WARMUP, clip=a.clip_ratio,
-                         beta=a.shaping_beta, entropy_coeff=a.entropy_coeff,
+                         beta=settings_in_effect(a)["shaping_beta"], entropy_coeff=a.entropy_coeff,
                          pg_normaliser=cfg.data.max_response_length * len(seqs) / a.loss_seqs_per_rank_ref,
                          entropy_normaliser=n_tok / a.entropy_microbatches_ref)
     ref.backward()
@@ -149,7 +150,8 @@ def lora_exgrpo_update(packed: bool, phase_name: str) -> dict:
         p = prompts[i]
         lp = torch.log_softmax(row_logits[p - 1:-1].detach(), -1)
         ref_scored.append(lp.gather(-1, torch.tensor(seqs[i][p:])[:, None]).squeeze(-1))
-    assert a.loss_agg_mode == "token_sum_constant" and a.policy_shaping and a.replay_tis_cap == 0
+    in_effect = settings_in_effect(a)
+    assert a.loss_agg_mode == "token_sum_constant" and in_effect["policy_shaping"] and in_effect["replay_tis_cap"] == 0
     return {"loss": float(loss), "ref_loss": float(ref), "grads": grads,
             "ref_grads": {n: t.grad for n, t in adapters.items()}, "base_with_grad": base_grad,
             "n_base": len(base_params), "scored": scored, "ref_scored": ref_scored, "rows": len(mine),

@@ -43,7 +43,9 @@ def test_presets_follow_the_recipe() -> None:
     assert (t.train_batch_size, r.n, r.temperature, c7.data.max_prompt_length, c7.data.max_response_length) == \
         (128, 8, 1.0, 1024, 8192)
     assert (c7.optim.lr, c7.optim.lr_schedule, t.train_batch_size // t.ppo_mini_batch_size) == (1e-6, "constant", 2)
-    assert (a.entropy_coeff, a.shaping_beta, a.replay_is_correction) == (0.001, 0.1, True)
+    exgrpo = build_algorithm(a, c7.trainer, c7.data.max_response_length)
+    assert (a.entropy_coeff, exgrpo.shaping_beta, exgrpo.replay_is_correction) == (0.001, 0.1, True)
+    assert not exgrpo.mixed_phase_clip and exgrpo.policy_shaping and exgrpo.replay_tis_cap == 0
     x = c7.experience
     assert (x.ratio, x.delayed_start_pass_rate, x.admit_correct_above, x.admit_correct_at_most, x.retire_above(r.n),
             x.bucket_sigma, t.total_steps, c7.checkpoint.save_every, t.val_every) == \

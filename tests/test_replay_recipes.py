@@ -83,11 +83,12 @@ def test_replay_tis_cap_zero_is_the_shaped_term_bitwise():
 
 @pytest.mark.parametrize("phase", [Phase.WARMUP, Phase.MIXED])
 def test_exgrpo_selects_the_truncated_is_replay_term_by_its_cap(phase):
-    """The algorithm's own loss (GroupRelative.loss over ExGRPO.replay_term) with algo.replay_tis_cap > 0 is the
-    float64 reference of the truncated-IS term, not the shaped one."""
-    cfg = load_config("demo_cpu", ["algo.name=exgrpo", "algo.policy_shaping=false", f"algo.replay_tis_cap={CAP}",
-                                   "algo.fresh_is_cap=0", "algo.entropy_coeff=0.001", "algo.clip_ratio=0.2",
-                                   "algo.replay_is_correction=true"])
+    """The algorithm's own loss (GroupRelative.loss over ExGRPO.replay_term) with algo.settings.replay_tis_cap > 0 is
+    the float64 reference of the truncated-IS term, not the shaped one."""
+    cfg = load_config("demo_cpu", ["algo.name=exgrpo", "algo.settings.policy_shaping=false",
+                                   f"algo.settings.replay_tis_cap={CAP}", "algo.fresh_is_cap=0",
+                                   "algo.entropy_coeff=0.001", "algo.clip_ratio=0.2",
+                                   "algo.settings.replay_is_correction=true"])
     algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
     assert isinstance(algorithm.replay_term, TruncatedISReplay)
     b = random_batch(7)
@@ -225,17 +226,17 @@ def test_truncated_is_replay_with_policy_shaping_is_refused_naming_the_cap():
     """ExGRPO's own relation (checked when the variant is built, as the training CLI does at start-up)."""
     from exgrpo_megatron.config.validate import ConfigError
 
-    cfg = load_config("paper_ratio_cpu", ["algo.replay_tis_cap=2"])  # policy shaping still on
+    cfg = load_config("paper_ratio_cpu", ["algo.settings.replay_tis_cap=2"])  # policy shaping still on
     with pytest.raises(ConfigError) as err:
         build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
-    assert [e.split(":", 1)[0] for e in err.value.errors] == ["algo.replay_tis_cap"]
+    assert [e.split(":", 1)[0] for e in err.value.errors] == ["algo.settings.replay_tis_cap"]
 
 
 def test_su01_preset_is_the_authors_recipe_beside_the_papers():
     su01, paper = load_config("exgrpo_su01"), load_config("exgrpo_7b")
     x = su01.experience
     assert (x.ratio, x.admit_correct_above, x.admit_correct_at_most, x.retire_above(su01.rollout.n)) == (0.25, 0, 1, 4)
-    assert (su01.algo.replay_tis_cap, su01.algo.policy_shaping) == (2.0, False)
+    assert (su01.algo.settings["replay_tis_cap"], su01.algo.settings["policy_shaping"]) == (2.0, False)
     p = paper.experience
     assert (p.ratio, p.admit_correct_at_most, p.retire_above(paper.rollout.n), p.max_age_steps) == (0.5, 7, 7, 0)
     assert (su01.model, su01.trainer.train_batch_size, su01.optim) == (paper.model, paper.trainer.train_batch_size,

@@ -112,7 +112,7 @@ def test_a_checkpoint_config_under_renamed_keys_compares_as_the_new_names():
     cfg = load_config("demo_cpu", [])
     tree = dataclasses.asdict(cfg)
     x = tree.pop("experience")  # the pool's keys under trainer.*, the oldest names where there were two
-    tree["algo"]["exp_is_correct"] = tree["algo"].pop("replay_is_correction")
+    tree["algo"]["exp_is_correct"] = True  # ExGRPO's replay_is_correction (now algo.settings), at its default
     tree["trainer"].update(experience_start_sratio=x["delayed_start_pass_rate"], experience_lbound=x[
         "admit_correct_above"], experience_rbound=x["admit_correct_at_most"], experience_ratio=x["ratio"],
         exp_metric=x["metric"], exp_bucket_manager=x["bucket_manager"], exp_bucket_mu=x["bucket_mu"],

@@ -34,8 +34,9 @@ ARMS = {  # name: (overrides, phase)
 
 
 def _algorithm(overrides: tuple[str, ...]):
+    shaping = [f"algo.settings.shaping_beta={BETA}"] if "algo.name=exgrpo" in overrides else []  # ExGRPO's setting
     cfg = load_config("demo_cpu", [*overrides, f"algo.clip_ratio={CLIP_LOW}", f"algo.clip_ratio_high={CLIP_HIGH}",
-                                   f"algo.shaping_beta={BETA}", "algo.fresh_is_cap=0"])
+                                   *shaping, "algo.fresh_is_cap=0"])
     return build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
 
 

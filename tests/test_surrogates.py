@@ -3,9 +3,10 @@ token from its paper's definition, on the real micro-batches (policy/batch.py: r
 "logits = x @ W" model at DP=2 with unequal tokens per rank:
 
 * CISPO (`algo.name=cispo`, MiniMax-M1): -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta, token mean;
-* ExGRPO with CISPO's surrogate and the truncated-IS replay term (`algo.surrogate=cispo algo.replay_tis_cap>0`) in
-  the mixed phase: replayed tokens take CISPO's loss x min(pi_old / pi_recorded, cap) -- the reference with PPO's
-  surrogate on replayed tokens differs, so the test fails if the replay term applies PPO's;
+* ExGRPO with CISPO's surrogate and the truncated-IS replay term (`algo.surrogate=cispo
+  algo.settings.replay_tis_cap>0`) in the mixed phase: replayed tokens take CISPO's loss x min(pi_old / pi_recorded,
+  cap) -- the reference with PPO's surrogate on replayed tokens differs, so the test fails if the replay term applies
+  PPO's;
 * GRPO with the k3 KL penalty against pi_old (`algo.name=grpo_kl`, DeepSeekMath Eq. 3-4).
 
 Also: each surrogate's metrics under its own name."""
@@ -30,8 +31,8 @@ ARMS = {  # name: (overrides, phase, on-policy)
     "cispo": (("algo.name=cispo", f"algo.settings.cispo_eps_low={EPS_LOW}", f"algo.settings.cispo_eps_high={EPS_HIGH}"),
               Phase.WARMUP, True),
     "exgrpo_cispo_tis": (("algo.name=exgrpo", "algo.surrogate=cispo", f"algo.settings.cispo_eps_low={EPS_LOW}",
-                          f"algo.settings.cispo_eps_high={EPS_HIGH}", "algo.policy_shaping=false",
-                          f"algo.replay_tis_cap={TIS_CAP}"), Phase.MIXED, False),
+                          f"algo.settings.cispo_eps_high={EPS_HIGH}", "algo.settings.policy_shaping=false",
+                          f"algo.settings.replay_tis_cap={TIS_CAP}"), Phase.MIXED, False),
     "grpo_kl": (("algo.name=grpo_kl", f"algo.clip_ratio={PPO_EPS}", f"algo.settings.kl_coef={KL_COEF}"),
                 Phase.WARMUP, True),
 }

@@ -195,7 +195,7 @@ def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = 
     """float64 sums of one micro-batch (mixed phase): fresh -A*rho, rho = exp(logp - old); replay
     -A*f(w), w = exp(logp - recorded behaviour logp), f(w) = w / (w + beta). With replay_as_on_policy the
     replay rows get the fresh formula (what a trainer that ignored is_replay would compute); with tis_cap > 0
-    the fresh formula times min(exp(old - recorded behaviour logp), tis_cap) (algo.replay_tis_cap)."""
+    the fresh formula times min(exp(old - recorded behaviour logp), tis_cap) (algo.settings.replay_tis_cap)."""
     out = dict(pg_sum=0.0, w_sum=0.0, f_sum=0.0, w_max=0.0, replay_tokens=0.0, tokens=0.0)
     for (r, c), i in zip(call["starts"], call["rows"], strict=True):  # (row, column) of each sequence's start
         p, n = batch.prompt_lengths[i], batch.response_lengths[i]
@@ -223,7 +223,8 @@ def _reference_loss(call: dict, batch, beta: float, replay_as_on_policy: bool = 
 def test_mixed_phase_replays_stored_trajectories_through_policy_shaping(tmp_path, sft_dir):
     run_dir = str(tmp_path / "replay")
     got = run_on_ranks(_train_recording_replay, 1, args=(replay_overrides(
-        run_dir, sft_dir, (f"logging.tensorboard={str(HAS_TENSORBOARD).lower()}", f"algo.shaping_beta={BETA}")),))[0]
+        run_dir, sft_dir, (f"logging.tensorboard={str(HAS_TENSORBOARD).lower()}",
+                           f"algo.settings.shaping_beta={BETA}")),))[0]
     logged = {m["step"]: m for m in got["metrics"]}
     assert sorted(logged) == sorted(got["steps"]) == list(range(1, STEPS + 1))
     replay_steps, informative = 0, 0
@@ -261,11 +262,12 @@ def test_mixed_phase_replays_stored_trajectories_through_policy_shaping(tmp_path
 
 
 def test_truncated_is_replay_term_through_the_trainer(tmp_path, sft_dir):
-    """algo.replay_tis_cap with append and an age bound, through the real (packed) path: each micro-batch's loss is
-    the float64 reference with the truncated-IS replay term, and differs from the f(w) term on the same rows."""
+    """algo.settings.replay_tis_cap with append and an age bound, through the real (packed) path: each micro-batch's
+    loss is the float64 reference with the truncated-IS replay term, and differs from the f(w) term on the same
+    rows."""
     cap = 1.2
     got = run_on_ranks(_train_recording_replay, 1, args=(replay_overrides(str(tmp_path / "tis"), sft_dir, (
-        "logging.tensorboard=false", "algo.policy_shaping=false", f"algo.replay_tis_cap={cap}",
+        "logging.tensorboard=false", "algo.settings.policy_shaping=false", f"algo.settings.replay_tis_cap={cap}",
         "experience.placement=append", "experience.max_age_steps=2")),))[0]
     informative = 0
     for step, rec in got["steps"].items():

@@ -34,15 +34,16 @@ def _refused_keys(*overrides: str) -> list[str]:
 
 
 def test_a_variant_without_replay_refuses_the_replay_keys_by_name():
-    """gspo with the truncated-IS cap: not the policy-shaping relation (ExGRPO's own), but the key itself; following
-    the old hint (policy_shaping=false) does not make it silently ignored."""
-    cfg = load_config("demo_cpu", ["algo.name=gspo", "algo.replay_tis_cap=2.0"])
+    """gspo with ExGRPO's truncated-IS cap: not the policy-shaping relation (ExGRPO's own), but the setting itself;
+    following the old hint (policy_shaping=false) does not make it silently ignored. The flat names of before map to
+    ExGRPO's settings and are refused the same way."""
+    cfg = load_config("demo_cpu", ["algo.name=gspo", "algo.settings.replay_tis_cap=2.0"])
     assert all_errors(cfg, 1, check_paths=False) == []  # no ExGRPO relation reported for a variant without replay
-    assert _refused_keys("algo.name=gspo", "algo.replay_tis_cap=2.0") == ["algo.replay_tis_cap"]
+    assert _refused_keys("algo.name=gspo", "algo.settings.replay_tis_cap=2.0") == ["algo.settings.replay_tis_cap"]
     assert _refused_keys("algo.name=gspo", "algo.replay_tis_cap=2.0", "algo.policy_shaping=false") == [
-        "algo.replay_tis_cap", "algo.policy_shaping"]
-    assert _refused_keys("algo.name=grpo", "algo.shaping_beta=0.2", "algo.mixed_phase_clip=true") == [
-        "algo.shaping_beta", "algo.mixed_phase_clip"]
+        "algo.settings.replay_tis_cap", "algo.settings.policy_shaping"]
+    assert _refused_keys("algo.name=grpo", "algo.settings.shaping_beta=0.2", "algo.mixed_phase_clip=true") == [
+        "algo.settings.shaping_beta", "algo.settings.mixed_phase_clip"]
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -125,17 +126,17 @@ class GRPOSubclass(GRPO):
 
 def test_cli_exits_2_naming_the_replay_key_for_gspo():
     proc = subprocess.run([sys.executable, "-m", "exgrpo_megatron.train", "--config-name", "demo_cpu",
-                           "algo.name=gspo", "algo.replay_tis_cap=2.0", "algo.policy_shaping=false"],
+                           "algo.name=gspo", "algo.settings.replay_tis_cap=2.0", "algo.settings.policy_shaping=false"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "algo.replay_tis_cap: 2.0 is not read by algo.name=gspo" in proc.stderr, proc.stderr[-2000:]
-    assert "algo.policy_shaping: False is not read by algo.name=gspo" in proc.stderr, proc.stderr[-2000:]
+    assert "algo.settings.replay_tis_cap: 2.0 is not read by algo.name=gspo" in proc.stderr, proc.stderr[-2000:]
+    assert "algo.settings.policy_shaping: False is not read by algo.name=gspo" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_settings_keep_their_declared_defaults_and_old_flat_names_map_with_a_notice(capsys):
     """No algo.settings in the config: each settings class's defaults (declared in the variant's file). The flat
-    names of before (algo.cispo_eps_*, algo.kl_coef) map to algo.settings.* with a notice, on the command line and
-    in a preset."""
+    names of before (algo.cispo_eps_*, algo.kl_coef, ExGRPO's algo.shaping_beta, ...) map to algo.settings.* with a
+    notice, on the command line and in a preset."""
     assert _build("algo.name=cispo").surrogate == CISPOWeight(None, 0.28)
     assert _build("algo.name=grpo_kl").surrogate.kl_coef == 0.04
     assert load_config("demo_cpu").algo.settings == {}
@@ -143,8 +144,11 @@ def test_settings_keep_their_declared_defaults_and_old_flat_names_map_with_a_not
     assert _build("algo.name=cispo", "algo.cispo_eps_low=0.1", "algo.cispo_eps_high=0.5").surrogate == CISPOWeight(
         0.1, 0.5)
     assert _build("algo.name=grpo_kl", "algo.kl_coef=0.3").surrogate.kl_coef == 0.3
+    exgrpo = _build("algo.name=exgrpo", "algo.shaping_beta=0.3", "algo.mixed_phase_clip=true")
+    assert (exgrpo.shaping_beta, exgrpo.mixed_phase_clip, exgrpo.policy_shaping) == (0.3, True, True)
     err = capsys.readouterr().err
-    for old in ("algo.cispo_eps_low", "algo.cispo_eps_high", "algo.kl_coef"):
+    for old in ("algo.cispo_eps_low", "algo.cispo_eps_high", "algo.kl_coef", "algo.shaping_beta",
+                "algo.mixed_phase_clip"):
         assert f"{old} is now algo.settings.{old.split('.')[1]} (the old name is accepted" in err, err
 
 

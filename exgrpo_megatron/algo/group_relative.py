@@ -74,12 +74,12 @@ class GroupRelative:
     @classmethod
     def algo_keys_read(cls, algo: AlgoConfig) -> frozenset[str]:
         """Every algo.* key `from_config` reads: the variant's, its surrogate's, `algo.settings` when either has
-        settings of its own (algo/settings.py; and their former flat names, `flat_algo_keys`), and
+        settings of its own (algo/settings.py), and
         `algo.max_refill_rounds` when it filters groups (the trainer's refill, rollout/group_filter.py)."""
         keys = cls.algo_keys | cls.surrogate_class(algo).algo_keys
         keys |= {"entropy_microbatches_ref"} if cls.entropy_reference else set()
         classes = settings_classes(cls, algo)
-        keys |= {"settings", *(flat for c in classes for flat in c.flat_algo_keys)} if classes else set()
+        keys |= {"settings"} if classes else set()
         return keys | {"max_refill_rounds"} if cls.filters_groups else keys
 
     @classmethod

@@ -17,10 +17,10 @@ Per-token loss l_t (no KL term; the original has none):
                                                    (truncated IS against the rollout engine; `truncated_is_weight`)
   replayed tokens (P=1), w = exp(logp - logp_behaviour):
     l = -A*f(w),  f(w) = w / (w + beta),  beta = 0.1              (policy shaping, Eq. 4)
-    l = -A*w      with algo.policy_shaping=false                  (plain unclipped IS: paper Tab. 6 "w/o shaping";
+    l = -A*w      with algo.settings.policy_shaping=false     (plain unclipped IS: paper Tab. 6 "w/o shaping";
                                                                    the original's off_policy_reshape=no_reshape)
-    with algo.replay_tis_cap = C > 0 (no shaping; `TruncatedISReplay`): the fresh-token loss of the phase (the
-      spec's surrogate) against pi_old, times u = min(exp(logp_old - logp_behaviour), C) detached -- the ExGRPO
+    with algo.settings.replay_tis_cap = C > 0 (no shaping; `TruncatedISReplay`): the fresh-token loss of the phase
+      (the spec's surrogate) against pi_old, times u = min(exp(logp_old - logp_behaviour), C) detached -- the ExGRPO
       authors' Megatron port (SU-01): replayed samples carry their recorded log-probs and the ordinary truncated-IS
       path corrects them
 Total loss of one micro-batch on one rank:

@@ -2,7 +2,7 @@
 
     fresh tokens:    l = spec.surrogate(log_ratio(spec.ratio), A; spec.trust_region)  [x truncated IS weight]
     replayed tokens: l = spec.replay's term (ExGRPO: -A * f(w), w against the replay denominator; with
-                     algo.replay_tis_cap the spec's surrogate x truncated IS against the recorded log-probs)
+                     algo.settings.replay_tis_cap the spec's surrogate x truncated IS against the recorded log-probs)
     L_mb = aggregate(l, spec.aggregation) - entropy_coeff * sum_{i,t} m*H / entropy_normaliser
 
 `LossBatch` is what the loss reads of one micro-batch: the per-token inputs and which sequence each token belongs to
@@ -83,8 +83,8 @@ class ShapedReplay:
 
 @dataclass(frozen=True)
 class TruncatedISReplay:
-    """The truncated-IS replay term (`algo.replay_tis_cap` > 0): replayed tokens take the fresh-token loss -- the
-    spec's surrogate of the spec's ratio against pi_old, in the phase's trust region -- times
+    """The truncated-IS replay term (`algo.settings.replay_tis_cap` > 0): replayed tokens take the fresh-token loss --
+    the spec's surrogate of the spec's ratio against pi_old, in the phase's trust region -- times
     u = min(exp(logp_old - logp_denominator), cap) detached (`loss.truncated_is_weight`), no shaping; its weight is
     u * rho. The product's gradient is u x the fresh-token gradient: truncated IS (Ionides 2008) of pi_old against
     the trajectory's recorded pi_past, as the ExGRPO authors' Megatron port (SU-01) and slime's `--use-tis` apply it."""

@@ -13,13 +13,7 @@ from dataclasses import fields
 from typing import Any, TypeVar, cast
 
 from exgrpo_megatron.algo.protocol import RLAlgorithm
-from exgrpo_megatron.algo.settings import (
-    flat_key_notes,
-    read_settings,
-    setting_keys,
-    settings_classes,
-    settings_errors,
-)
+from exgrpo_megatron.algo.settings import read_settings, setting_keys, settings_classes, settings_errors
 from exgrpo_megatron.algo.surrogates import surrogate_class, surrogate_names
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
 from exgrpo_megatron.config.validate import ConfigError, algo_key_errors, algo_key_notes
@@ -84,11 +78,11 @@ def _declares_keys(cls: type) -> bool:
 
 def algorithm_notes(a: AlgoConfig) -> list[str]:
     """What the start-up block says about the config for the selected variant: keys it overrides or leaves unused
-    (config/validate.py `algo_key_notes`), settings given under their former flat name (algo/settings.py)."""
+    (config/validate.py `algo_key_notes`)."""
     cls = cast(Any, _selected_class(a))
     if not _declares_keys(cls):
         return []
-    return algo_key_notes(a, cls.fixed_algo_keys, _unused(cls, a)) + flat_key_notes(settings_classes(cls, a), a)
+    return algo_key_notes(a, cls.fixed_algo_keys, _unused(cls, a))
 
 
 def settings_in_effect(a: AlgoConfig) -> dict[str, Any]:

@@ -12,9 +12,8 @@ classes: an unknown key, a key of a variant or surrogate not selected, a value o
 exits 2 naming `algo.settings.<key>`. The command line sets a key without `+` (`algo.settings.cispo_eps_high=0.3`;
 config/loader.py writes it as `++`, add or replace).
 
-A setting that was a shared `algo.*` key for this variant before (`flat_algo_keys`: flat key -> setting) still takes
-the flat key's value when it is set away from the schema's default and the setting is not; the start-up block says so
-(`flat_key_notes`), and setting both exits 2. The renamed keys every variant shares are config/aliases.py's.
+A setting that was a flat `algo.*` key before (`algo.shaping_beta`, `algo.cispo_eps_high`, ...) is a renamed key:
+config/aliases.py maps the old name to `algo.settings.<key>` with a notice.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ class VariantSettings:
     """The base of a variant's settings dataclass (the fields are its keys, with their defaults)."""
 
     domains: ClassVar[Mapping[str, Domain]] = {}  # key -> its range (config/domains.py), for the numeric keys
-    flat_algo_keys: ClassVar[Mapping[str, str]] = {}  # a shared algo.* key this variant read before -> its setting
 
     def config_errors(self) -> list[str]:
         """The relations between its keys (`algo.settings.<key>: reason` lines; none here)."""
@@ -58,26 +56,11 @@ def setting_keys(classes: tuple[type[VariantSettings], ...]) -> list[str]:
     return sorted(f.name for cls in classes for f in fields(cls))
 
 
-def flat_values(cls: type[VariantSettings], algo: AlgoConfig) -> dict[str, tuple[str, Any]]:
-    """setting -> (the flat algo.* key, its value) for each of `cls.flat_algo_keys` set away from the schema's
-    default."""
-    default = AlgoConfig()
-    return {key: (flat, getattr(algo, flat)) for flat, key in cls.flat_algo_keys.items()
-            if getattr(algo, flat) != getattr(default, flat)}
-
-
-def flat_key_notes(classes: tuple[type[VariantSettings], ...], algo: AlgoConfig) -> list[str]:
-    """What the start-up block says of a setting given under its flat name."""
-    return [f"algo.{flat}={value!r} is algo.name={algo.name}'s setting {PREFIX}.{key} (the flat name is accepted "
-            "for one release)" for cls in classes for key, (flat, value) in flat_values(cls, algo).items()]
-
-
 def read_settings(cls: type[S], algo: AlgoConfig) -> S:
-    """`cls` with the keys of it that `algo.settings` sets (or their flat name, `flat_algo_keys`; types converted as
-    the schema's: an int for a float), the others at their defaults. Assumes `settings_errors` found none."""
+    """`cls` with the keys of it that `algo.settings` sets (types converted as the schema's: an int for a float), the
+    others at their defaults. Assumes `settings_errors` found none."""
     own = {f.name for f in fields(cls)}
-    values = {key: value for key, (_, value) in flat_values(cls, algo).items()}
-    values.update({key: value for key, value in algo.settings.items() if key in own})
+    values = {key: value for key, value in algo.settings.items() if key in own}
     settings = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
     assert isinstance(settings, cls)
     return settings
@@ -101,9 +84,6 @@ def settings_errors(algo: AlgoConfig, classes: tuple[type[VariantSettings], ...]
             OmegaConf.merge(OmegaConf.structured(known[key]), {key: value})
         except OmegaConfBaseException as exc:
             errors.append(f"{PREFIX}.{key}: {value!r}: {str(exc).splitlines()[0]}")
-    for cls in classes:
-        errors += [f"algo.{flat}: {value!r} and {PREFIX}.{key} are one setting of algo.name={algo.name}; set only "
-                   f"{PREFIX}.{key}" for key, (flat, value) in flat_values(cls, algo).items() if key in algo.settings]
     if errors:
         return errors
     for cls in classes:

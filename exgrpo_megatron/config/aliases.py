@@ -10,7 +10,7 @@ import sys
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 RENAMED_KEYS: dict[str, str] = {
-    "algo.exp_is_correct": "algo.replay_is_correction",
+    "algo.exp_is_correct": "algo.settings.replay_is_correction",
     "trainer.experience_start_sratio": "experience.delayed_start_pass_rate",
     "trainer.experience_lbound": "experience.admit_correct_above",
     "trainer.experience_rbound": "experience.admit_correct_at_most",
@@ -29,6 +29,11 @@ RENAMED_KEYS: dict[str, str] = {
     "algo.cispo_eps_low": "algo.settings.cispo_eps_low",
     "algo.cispo_eps_high": "algo.settings.cispo_eps_high",
     "algo.kl_coef": "algo.settings.kl_coef",
+    "algo.shaping_beta": "algo.settings.shaping_beta",
+    "algo.policy_shaping": "algo.settings.policy_shaping",
+    "algo.replay_is_correction": "algo.settings.replay_is_correction",
+    "algo.replay_tis_cap": "algo.settings.replay_tis_cap",
+    "algo.mixed_phase_clip": "algo.settings.mixed_phase_clip",
 }
 _OVERRIDE_PREFIXES = ("++", "+", "~")
 

@@ -102,13 +102,12 @@ DOMAINS: dict[str, Domain] = {
     "rollout.generator.deadline_min_seconds": POSITIVE,  # the generator's deadline (async_generation/watch.py)
     # algo
     "algo.clip_ratio": POSITIVE, "algo.clip_ratio_high": Domain(lo=0, lo_open=True, none_ok=True),
-    "algo.shaping_beta": POSITIVE, "algo.entropy_coeff": NON_NEGATIVE,
+    "algo.entropy_coeff": NON_NEGATIVE,
     "algo.skip_grad_bound": Domain(lo=0, lo_open=True, inf_ok=True),  # inf = never skip
     "algo.max_consecutive_skips": AT_LEAST_1, "algo.loss_seqs_per_rank_ref": POSITIVE,
     "algo.entropy_microbatches_ref": POSITIVE,
     "algo.max_refill_rounds": NON_NEGATIVE,  # 0 = a dropped group is not replaced
     "algo.fresh_is_cap": NON_NEGATIVE,  # 0 = no truncated IS on fresh tokens
-    "algo.replay_tis_cap": NON_NEGATIVE,  # 0 = exgrpo: replayed tokens through f(w) (or w)
     # trainer
     "trainer.total_steps": AT_LEAST_1, "trainer.train_batch_size": AT_LEAST_1,
     "trainer.ppo_mini_batch_size": AT_LEAST_1, "trainer.micro_batch_max_tokens": AT_LEAST_1,

@@ -130,23 +130,17 @@ class AlgoConfig:
     ratio: str = "token"  # fresh tokens' importance ratio: token | sequence (GSPO's, per sequence)
     clip_ratio: float = 0.2  # PPO clip on fresh tokens during warm-up: ratio >= 1 - clip_ratio
     clip_ratio_high: float | None = None  # ... and ratio <= 1 + clip_ratio_high; None = clip_ratio (DAPO: 0.28)
-    shaping_beta: float = 0.1  # f(w) = w / (w + beta) on replayed tokens
     entropy_coeff: float = 0.001
     loss_agg_mode: str = "token_sum_constant"  # token_sum_constant | token_mean | seq_mean
-    replay_is_correction: bool = True  # replay IS ratio w.r.t. the recorded behaviour log-probs (alias: exp_is_correct)
-    replay_tis_cap: float = 0.0  # > 0: replayed tokens train as fresh ones x min(pi_old / pi_past, cap); 0 = f(w)
-    # (algo.name=ingroup_replay / rescue_replay: their setting algo.settings.replay_tis_cap, this the former name)
     old_logprobs: str = "auto"  # auto | rollout | training_forward | recompute (config/pi_old_source.py)
     skip_grad_bound: float = 500.0
     max_consecutive_skips: int = 20
     loss_seqs_per_rank_ref: float = 64.0  # token_sum_constant: the original's sequences per rank (64x8 seqs / 8 GPUs)
     entropy_microbatches_ref: float = 4.0  # entropy bonus x this: the original's dynamic micro-batches per rank
-    policy_shaping: bool = True  # replay tokens: f(w) = w/(w+beta); false = plain IS ratio w ("w/o shaping")
-    mixed_phase_clip: bool = False  # PPO clip on fresh tokens in the mixed phase too (paper §D.1: off)
     max_refill_rounds: int = 3  # extra generation rounds refilling groups the algorithm's filter dropped
     fresh_is_cap: float = 0.0  # fresh tokens x min(pi_old / pi_behaviour, cap) (truncated IS); 0 = off
     surrogate: str = "ppo_clip"  # algo.name=exgrpo: the surrogate by name (algo/surrogates.py): ppo_clip | cispo | ...
-    # the selected variant's own settings, declared in its file (algo/settings.py; e.g. algo/variants/cispo.py)
+    # the selected variant's own settings, declared in its file (algo/settings.py; e.g. algo/variants/exgrpo.py)
     settings: dict[str, Any] = field(default_factory=dict)
 
 

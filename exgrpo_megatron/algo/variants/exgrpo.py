@@ -1,11 +1,13 @@
 """`algo.name=exgrpo`: ExGRPO (arXiv 2510.02245) -- GRPO with an experience pool whose replayed trajectories
 train through policy shaping.
 
-It owns what the paper defines and ablates: the denominator of the replay ratio (importance-sampling
-correction, `algo.replay_is_correction`), the loss of each phase (warm-up: PPO clip on fresh tokens; collecting /
-mixed: unclipped, replayed tokens shaped by f(w) or, with `algo.replay_tis_cap`, trained as fresh tokens weighted by
+It owns what the paper defines and ablates: the denominator of the replay ratio (importance-sampling correction,
+`algo.settings.replay_is_correction`), the loss of each phase (warm-up: PPO clip on fresh tokens; collecting / mixed:
+unclipped, replayed tokens shaped by f(w) or, with `algo.settings.replay_tis_cap`, trained as fresh tokens weighted by
 truncated IS: the replay term; algo/loss.py, assembled by `GroupRelative.loss_spec`) and what the pool learns from a
-group (`pool_outcome`). The pool's own settings (rho, placement, delayed start, admission / retirement / age bounds,
+group (`pool_outcome`). These are ExGRPO's own settings, `algo.settings.<key>` (`ExGRPOSettings` below,
+algo/settings.py), at the paper's values by default; their former flat names (`algo.shaping_beta`, ...) map to them
+(config/aliases.py). The pool's own settings (rho, placement, delayed start, admission / retirement / age bounds,
 selection) are the `experience` config group's.
 
 The fresh tokens' ratio may be GSPO's sequence ratio (`algo.ratio=sequence`): a replayed trajectory is a whole
@@ -14,12 +16,12 @@ unchanged. The surrogate is chosen by name (`algo.surrogate`: `ppo_clip`, `cispo
 truncated-IS replay term applies the same surrogate to replayed tokens.
 
 It scales the entropy bonus to the original code's micro-batches (`algo.entropy_microbatches_ref`, algo/loss.py;
-GRPO, the paper's baseline, does too), and it alone reads the replay keys: a variant without a pool refuses them.
+GRPO, the paper's baseline, does too); its settings are refused to every other variant.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,11 +32,31 @@ from exgrpo_megatron.algo.loss import select_replay_denominator_logprobs
 from exgrpo_megatron.algo.policy_loss import ReplayTerm, ShapedReplay, TruncatedISReplay
 from exgrpo_megatron.algo.protocol import GradedResponse
 from exgrpo_megatron.algo.registry import register
+from exgrpo_megatron.algo.settings import VariantSettings, read_settings
 from exgrpo_megatron.algo.surrogates import Surrogate, surrogate_class
+from exgrpo_megatron.config.domains import NON_NEGATIVE, POSITIVE, Domain
 from exgrpo_megatron.config.schema import AlgoConfig, TrainerConfig
 from exgrpo_megatron.config.validate import ConfigError
 from exgrpo_megatron.experience.schedule import Phase
 from exgrpo_megatron.experience.types import GroupOutcome
+
+
+@dataclass(frozen=True)
+class ExGRPOSettings(VariantSettings):
+    """`algo.settings.*` of ExGRPO: the replay term and the phases' clip (the paper's values by default)."""
+
+    shaping_beta: float = 0.1  # f(w) = w / (w + beta) on replayed tokens (paper Eq. 6)
+    policy_shaping: bool = True  # false: the plain unclipped IS ratio w on replayed tokens (paper Tab. 6 "w/o shaping")
+    replay_is_correction: bool = True  # w against the recorded behaviour log-probs (false: this step's pi_old, w = 1)
+    replay_tis_cap: float = 0.0  # > 0: replayed tokens as fresh ones x min(pi_old / pi_past, cap), no shaping
+    mixed_phase_clip: bool = False  # PPO's clip on fresh tokens in the mixed phase too (paper §D.1: off)
+    domains: ClassVar[Mapping[str, Domain]] = {"shaping_beta": POSITIVE, "replay_tis_cap": NON_NEGATIVE}
+
+    def config_errors(self) -> list[str]:
+        if self.replay_tis_cap > 0 and self.policy_shaping:
+            return [f"algo.settings.replay_tis_cap: {self.replay_tis_cap}: replayed tokens corrected by truncated IS "
+                    "take no policy shaping; set algo.settings.policy_shaping=false with it"]
+        return []
 
 
 @register("exgrpo")
@@ -45,8 +67,8 @@ class ExGRPO(GroupRelative):
     mixed_phase_clip: bool
     replay_is_correction: bool
     replay_tis_cap: float  # > 0: replayed tokens as fresh ones x min(pi_old / pi_past, cap), no shaping
-    algo_keys: ClassVar[frozenset[str]] = GroupRelative.algo_keys | {
-        "surrogate", "shaping_beta", "policy_shaping", "mixed_phase_clip", "replay_is_correction", "replay_tis_cap"}
+    settings_class: ClassVar[type[ExGRPOSettings]] = ExGRPOSettings
+    algo_keys: ClassVar[frozenset[str]] = GroupRelative.algo_keys | {"surrogate"}
     entropy_reference: ClassVar[bool] = True  # its bonus at the original code's scale (algo/loss.py)
 
     @classmethod
@@ -58,17 +80,11 @@ class ExGRPO(GroupRelative):
             raise ConfigError([f"algo.surrogate: {exc}"]) from None
 
     @classmethod
-    def config_errors(cls, algo: AlgoConfig) -> list[str]:
-        if algo.replay_tis_cap > 0 and algo.policy_shaping:
-            return [f"algo.replay_tis_cap: {algo.replay_tis_cap}: replayed tokens corrected by truncated IS take no "
-                    "policy shaping; set algo.policy_shaping=false with it"]
-        return []
-
-    @classmethod
     def from_config(cls, name: str, algo: AlgoConfig, trainer: TrainerConfig, max_response_length: int) -> ExGRPO:
-        return cls(**cls.shared_settings(name, algo, max_response_length), shaping_beta=algo.shaping_beta,
-                   policy_shaping=algo.policy_shaping, mixed_phase_clip=algo.mixed_phase_clip,
-                   replay_is_correction=algo.replay_is_correction, replay_tis_cap=algo.replay_tis_cap)
+        s = read_settings(ExGRPOSettings, algo)
+        return cls(**cls.shared_settings(name, algo, max_response_length), shaping_beta=s.shaping_beta,
+                   policy_shaping=s.policy_shaping, mixed_phase_clip=s.mixed_phase_clip,
+                   replay_is_correction=s.replay_is_correction, replay_tis_cap=s.replay_tis_cap)
 
     @property
     def uses_pool(self) -> bool:
@@ -76,14 +92,14 @@ class ExGRPO(GroupRelative):
 
     def clips(self, phase: Phase) -> bool:
         """The trust region (PPO's clip) on fresh tokens: in warm-up only (paper §D.1: the mixed phase is unclipped),
-        unless `algo.mixed_phase_clip` keeps it in every phase."""
+        unless `algo.settings.mixed_phase_clip` keeps it in every phase."""
         return phase is Phase.WARMUP or self.mixed_phase_clip
 
     @property
     def replay_term(self) -> ReplayTerm:
-        """-A * f(w) on replayed tokens, f(w) = w / (w + `algo.shaping_beta`), the plain w without
-        `algo.policy_shaping`; with `algo.replay_tis_cap` > 0 the fresh-token loss (the surrogate) x
-        min(pi_old / pi_past, cap)."""
+        """-A * f(w) on replayed tokens, f(w) = w / (w + `algo.settings.shaping_beta`), the plain w without
+        `algo.settings.policy_shaping`; with `algo.settings.replay_tis_cap` > 0 the fresh-token loss (the surrogate)
+        x min(pi_old / pi_past, cap)."""
         if self.replay_tis_cap > 0:
             return TruncatedISReplay(self.replay_tis_cap)
         return ShapedReplay(self.shaping_beta, self.policy_shaping)

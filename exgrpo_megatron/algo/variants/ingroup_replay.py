@@ -12,11 +12,10 @@ response store (experience/response_store.py). Nothing is generated for them.
 
 C is this variant's own setting (`ResponseReplaySettings` below), 2 by default: a replayed response always needs the
 correction (it was sampled by an older policy), and a cap of 2 lets a response the policy now likes more weigh up to
-twice, no more, bounding the variance as in the ExGRPO authors' port (conf/exgrpo_su01.yaml) and slime's truncated
-IS. ExGRPO's `algo.replay_tis_cap` (0: off) is another key; given for this variant, it is taken as the setting, with a
-note at start-up (the former name, accepted for one release). The store keeps the newest r responses of each
-question (the current step's K replace older ones). A run can start from another run's store
-(`experience.pool_file_in`, RLEP; checkpoint/pool_file.py).
+twice, no more, bounding the variance as in the ExGRPO authors' port (conf/exgrpo_su01.yaml) and slime's truncated IS
+(ExGRPO's setting of the same name is 0, off, by default: there it switches f(w) for this term). The store keeps the
+newest r responses of each question (the current step's K replace older ones). A run can start from another run's
+store (`experience.pool_file_in`, RLEP; checkpoint/pool_file.py).
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ class ResponseReplaySettings(VariantSettings):
 
     replay_tis_cap: float = 2.0  # C of min(pi_old / pi_recorded, C) on replayed tokens (module docstring)
     domains: ClassVar[Mapping[str, Domain]] = {"replay_tis_cap": POSITIVE}
-    flat_algo_keys: ClassVar[Mapping[str, str]] = {"replay_tis_cap": "replay_tis_cap"}
 
 
 @register("ingroup_replay")
