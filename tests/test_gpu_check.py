@@ -87,7 +87,9 @@ def test_cpu_smoke_runs_the_decode_section(tmp_path):
     dense = decode["dense_demo"]
     for arm in ("chunked", "continuous_eager", "continuous_compiled"):
         assert dense[arm]["tokens"] == dense["rows"] * dense["new_tokens"], (arm, dense[arm])
-        assert dense[arm]["tokens_per_s"] > 0 and 0 < dense[arm]["share_of_roofline"] < 1
+        # > 0 and finite; not < 1 here: the smoke's toy weights stay in the CPU's cache, faster than the copy
+        # bandwidth the roofline takes (measured on large buffers), so a share above 1 happens (1.17 measured)
+        assert dense[arm]["tokens_per_s"] > 0 and 0 < dense[arm]["share_of_roofline"] < float("inf")
     moe = decode["moe_demo"]
     assert moe["chunked"]["tokens_per_s"] > 0
     assert "mixture-of-experts" in moe["continuous_eager"]["refused"]  # the continuous loop says why not

@@ -22,6 +22,10 @@ def _run(args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
+EXGRPO = ("algorithm exgrpo (settings: shaping_beta=0.1, policy_shaping=True, replay_is_correction=True, "
+          "replay_tis_cap=0.0, mixed_phase_clip=False)")  # its settings in effect: the paper's values
+
+
 
 def test_demo_entry_starts_with_the_startup_block_and_no_known_warning(tmp_path):
     proc = _run(["-m", "exgrpo_megatron.train", "--config-name", "demo_cpu", "trainer.total_steps=1",
@@ -42,7 +46,7 @@ def test_demo_entry_starts_with_the_startup_block_and_no_known_warning(tmp_path)
         f"exgrpo-train: run dir {tmp_path / 'run'}; layout TP=1 PP=1 DP=1 EP=1 ETP=1 (world 1, cpu)")
     block = proc.stdout.splitlines()[3:6]
     assert block[1].startswith(
-        "exgrpo-train: algorithm exgrpo; experience replay (displace): mixed phase once batch pass rate")
+        f"exgrpo-train: {EXGRPO}; experience replay (displace): mixed phase once batch pass rate")
     assert block[2] == "exgrpo-train: rollouts: megatron engine, generated within each step from the current weights"
 
 
@@ -50,7 +54,7 @@ def test_demo_entry_starts_with_the_startup_block_and_no_known_warning(tmp_path)
     (["algo.name=grpo"], "algorithm grpo; experience replay: off (on-policy grpo)", "generated within each step"),
     (["algo.name=dapo"], "algorithm dapo; experience replay: off (on-policy dapo)", "generated within each step"),
     (["rollout.max_staleness=1", "algo.fresh_is_cap=2.0"],
-     "algorithm exgrpo; experience replay (displace): mixed phase",
+     f"{EXGRPO}; experience replay (displace): mixed phase",
      "rollouts: megatron engine in its own process, generating 1 step(s) ahead of training"),
 ])
 def test_startup_block_says_which_algorithm_runs_and_whether_generation_runs_ahead(overrides, algorithm, rollouts):
