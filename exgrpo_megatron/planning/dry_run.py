@@ -83,9 +83,8 @@ def _model_lines(cfg: RootConfig, state: RankState) -> list[str]:
     ]
 
 
-def _memory_lines(cfg: RootConfig, world_size: int, gpu_memory_gib: float) -> list[str]:
+def _memory_lines(cfg: RootConfig, world_size: int, est: MemoryEstimate, gpu_memory_gib: float) -> list[str]:
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
-    est = estimate_memory(cfg, world_size, gpu_memory_gib)
     dtype = "fp32" if param_bytes(m) == 4 else "bf16"
     rc = "full recompute" if m.recompute_activations else "no recompute"
     kv_per_token = kv_bytes_per_token(m, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
@@ -213,16 +212,16 @@ def dry_run_report(cfg: RootConfig, world_size: int, replays: bool, phase_times:
     `validate`); `replays`: the algorithm has an experience pool (the caller builds the algorithm: config/ does not
     import algo/); `phase_times`: the colocated generate/train seconds for the generation-ahead plan (None: the
     default)."""
-    fewest = fewest_gpus_that_fit(cfg, gpu_memory_gib)
+    est, fewest = estimate_memory(cfg, world_size, gpu_memory_gib), fewest_gpus_that_fit(cfg, gpu_memory_gib)
     sections = [
         [f"dry run: {cfg.model.name}, rollout engine {cfg.rollout.engine}, template {cfg.data.template}, "
          f"run_dir {cfg.logging.run_dir}"],
         _layout_lines(cfg, world_size),
-        _model_lines(cfg, estimate_memory(cfg, world_size, gpu_memory_gib).state),
-        _memory_lines(cfg, world_size, gpu_memory_gib),
+        _model_lines(cfg, est.state),
+        _memory_lines(cfg, world_size, est, gpu_memory_gib),
         _step_lines(cfg, world_size, replays),
         _generation_lines(cfg, world_size, phase_times or DEFAULT_PHASE_TIMES),
-        memory_overruns(cfg, world_size, gpu_memory_gib) or ["memory: every estimate fits in one GPU"],
+        memory_overruns(cfg, est, gpu_memory_gib) or ["memory: every estimate fits in one GPU"],
         [f"memory: at this layout the estimates fit from {fewest} GPUs" if fewest
          else "memory: at this layout no world size up to 256 GPUs fits"],
     ]

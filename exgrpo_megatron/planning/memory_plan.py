@@ -162,10 +162,11 @@ def estimate_memory(cfg: RootConfig, world_size: int, gpu_memory_gib: float = GP
     )
 
 
-def memory_overruns(cfg: RootConfig, world_size: int, gpu_memory_gib: float = GPU_MEMORY_GIB) -> list[str]:
-    """One line per phase (training, generation) whose estimate exceeds `gpu_memory_gib`, with its parts; [] when
-    both fit. The dry run exits 3 on any, a run on a GPU refuses to start (planning/startup_checks.py)."""
-    est, r, limit = estimate_memory(cfg, world_size, gpu_memory_gib), cfg.rollout, gpu_memory_gib * GIB
+def memory_overruns(cfg: RootConfig, est: MemoryEstimate, gpu_memory_gib: float) -> list[str]:
+    """One line per phase (training, generation) whose estimate `est` (`estimate_memory` at `gpu_memory_gib`) exceeds
+    `gpu_memory_gib`, with its parts; [] when both fit. The dry run exits 3 on any, a run on a GPU refuses to start
+    (planning/startup_checks.py)."""
+    r, limit = cfg.rollout, gpu_memory_gib * GIB
     parts = {"training": [("weights", est.weights), ("gradients", est.grads), ("optimizer state", est.optimizer),
                           ("activations", est.activations), ("runtime slack", est.runtime_slack)],
              "generation": [("weights", est.weights), ("gradients", est.grads), ("optimizer state", est.optimizer),
@@ -191,7 +192,6 @@ def fewest_gpus_that_fit(cfg: RootConfig, gpu_memory_gib: float = GPU_MEMORY_GIB
     for world in range(step, up_to + 1, step):
         if cfg.trainer.ppo_mini_batch_size % (world // dense):
             continue
-        est = estimate_memory(cfg, world, gpu_memory_gib)
-        if max(est.train_peak, est.generation_peak) <= gpu_memory_gib * GIB:
+        if not memory_overruns(cfg, estimate_memory(cfg, world, gpu_memory_gib), gpu_memory_gib):
             return world
     return None

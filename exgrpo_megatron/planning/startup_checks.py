@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from exgrpo_megatron.config.derived import resolve_params_dtype
 from exgrpo_megatron.config.schema import RootConfig
-from exgrpo_megatron.planning.memory_plan import GPU_MEMORY_GIB, fewest_gpus_that_fit, memory_overruns
+from exgrpo_megatron.planning.memory_plan import (
+    GIB,
+    GPU_MEMORY_GIB,
+    estimate_memory,
+    fewest_gpus_that_fit,
+    memory_overruns,
+)
 from exgrpo_megatron.planning.model_size import count_parameters, kv_bytes_per_token
-
-GIB = 1024**3
 
 
 def gpu_memory_gib() -> float:
@@ -30,9 +34,10 @@ def memory_startup_errors(cfg: RootConfig, world_size: int, device_memory_bytes:
 
         if not torch.cuda.is_available():
             return []
-        device_memory_bytes = torch.cuda.get_device_properties(0).total_memory
-    gib = device_memory_bytes / GIB
-    overruns = memory_overruns(cfg, world_size, gib)
+        gib = gpu_memory_gib()
+    else:
+        gib = device_memory_bytes / GIB
+    overruns = memory_overruns(cfg, estimate_memory(cfg, world_size, gib), gib)
     if not overruns:
         return []
     fewest = fewest_gpus_that_fit(cfg, gib)

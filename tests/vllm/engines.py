@@ -113,8 +113,7 @@ class EnginePair:
     policy's recomputed ones."""
 
     def __init__(self, tp: int, pp: int, hf_dir: str, model: ModelConfig, ep: int = 1, lora_rank: int = 0,
-                 lora_alpha: float = 0.0, built_between=None) -> None:
-        """`built_between()`: called after vLLM is built and before the megatron engine (its value kept)."""
+                 lora_alpha: float = 0.0) -> None:
         from exgrpo_megatron.data.tokenizer import CharTokenizer
         from exgrpo_megatron.rollout.factory import build_rollout_engine
 
@@ -123,7 +122,6 @@ class EnginePair:
         common = dict(vllm=TEST_VLLM, hf_dir=hf_dir, seed=0, max_model_len=96, max_batch_sequences=16)
         self.vllm = build_rollout_engine("vllm", self.policy.modules[0], self.cfg.model, tok,
                                          weights_version=lambda: self.policy.weights_version, **common)
-        self.between = built_between() if built_between else None
         self.megatron = build_rollout_engine("megatron", self.policy.modules[0], self.cfg.model, tok, **common)
         self.prompts = [tok.encode(p) for p in PROMPTS]
 

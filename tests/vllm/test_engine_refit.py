@@ -22,13 +22,10 @@ def refit_case(tp: int, pp: int, hf_dir: str, dtype: str = "fp32", family: str =
     from exgrpo_megatron.distributed.threads import torch_threads
     from tests.vllm.engines import EnginePair, perturb_, tiny_model_config
 
-    def train_threads_applied() -> bool:  # vLLM built: how the policy's passes get trainer.train_threads
-        wanted = torch.get_num_threads() + 1
-        with torch_threads(wanted):
-            return torch.get_num_threads() == wanted
-
-    case = EnginePair(tp, pp, hf_dir, tiny_model_config(params_dtype=dtype, family=family),
-                      built_between=train_threads_applied)
+    case = EnginePair(tp, pp, hf_dir, tiny_model_config(params_dtype=dtype, family=family))
+    wanted = torch.get_num_threads() + 1
+    with torch_threads(wanted):  # vLLM built: how the policy's passes get trainer.train_threads
+        train_threads_applied = torch.get_num_threads() == wanted
     before = case.greedy(case.vllm)
     perturb_(case.policy.modules[0], seed=11)  # an in-place change, then the one signal: weights changed
     case.policy.mark_weights_changed()
@@ -41,7 +38,7 @@ def refit_case(tp: int, pp: int, hf_dir: str, dtype: str = "fp32", family: str =
             "max_logprob_diff": max(float(d.max()) for d in abs_diffs),
             "mean_logprob_diff": float(every.mean()), "mult_prob_error": float(every.exp().mean()),
             "param_dtype": str(next(case.policy.modules[0].parameters()).dtype),
-            "n_tokens": n_tokens, "can_sleep": case.vllm.can_sleep, "train_threads_applied": case.between}
+            "n_tokens": n_tokens, "can_sleep": case.vllm.can_sleep, "train_threads_applied": train_threads_applied}
 
 
 def _check(result: dict) -> None:

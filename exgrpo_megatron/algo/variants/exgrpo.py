@@ -22,7 +22,7 @@ GRPO, the paper's baseline, does too); its settings are refused to every other v
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from torch import Tensor
@@ -81,10 +81,8 @@ class ExGRPO(GroupRelative):
 
     @classmethod
     def from_config(cls, name: str, algo: AlgoConfig, trainer: TrainerConfig, max_response_length: int) -> ExGRPO:
-        s = read_settings(ExGRPOSettings, algo)
-        return cls(**cls.shared_settings(name, algo, max_response_length), shaping_beta=s.shaping_beta,
-                   policy_shaping=s.policy_shaping, mixed_phase_clip=s.mixed_phase_clip,
-                   replay_is_correction=s.replay_is_correction, replay_tis_cap=s.replay_tis_cap)
+        return cls(**cls.shared_settings(name, algo, max_response_length),
+                   **asdict(read_settings(ExGRPOSettings, algo)))
 
     @property
     def uses_pool(self) -> bool:
