@@ -311,12 +311,12 @@ def print_tables(summary: dict) -> None:
         print(f"{name:30s}" + "".join(f"{_fmt(row.get(c, {})):>28s}" for c in cols[:4]))
 
 
-def _md(ms: dict | None, signed: bool = False) -> str:
-    """A fraction's mean ± 95% CI in points; `signed` for differences."""
+def _md(ms: dict | None, signed: bool = False, scale: float = 100.0) -> str:
+    """A mean ± 95% CI, x `scale` (100: a fraction in points; 1: a count); `signed` for differences."""
     if not ms or ms.get("mean") is None:
         return "n/a"
-    ci = f" ± {ms['ci95'] * 100:.1f}" if ms.get("ci95") is not None else ""
-    return f"{ms['mean'] * 100:{'+' if signed else ''}.1f}{ci}"
+    ci = f" ± {ms['ci95'] * scale:.1f}" if ms.get("ci95") is not None else ""
+    return f"{ms['mean'] * scale:{'+' if signed else ''}.1f}{ci}"
 
 
 def markdown_tables(summary: dict) -> str:

@@ -239,14 +239,6 @@ def plot(curves: dict[str, dict[str, dict[int, dict]]], path: str) -> None:
     plt.close(fig)
 
 
-def _count(ms: dict | None, signed: bool = False) -> str:
-    """A count's mean ± 95% CI (fidelity_analysis._md is for fractions, in points)."""
-    if not ms or ms.get("mean") is None:
-        return "n/a"
-    ci = f" ± {ms['ci95']:.1f}" if ms.get("ci95") is not None else ""
-    return f"{ms['mean']:{'+' if signed else ''}.1f}{ci}"
-
-
 def markdown(summary: dict) -> str:
     """Per cell: the arms' numbers (with their seed counts) and each comparison's criteria, verdicts and paired
     differences per step / generated trajectory / training token (points, mean ± 95% CI)."""
@@ -258,8 +250,8 @@ def markdown(summary: dict) -> str:
                   "| arm | seeds | greedy | avg@8 T=1.0 | val (final) | val (peak) | generated trajectories | "
                   "training tokens | hard at start / climbed to >= 4/8 |", "|---" * 9 + "|"]
         for arm, row in d["arms"].items():
-            hard = (f"{_count(row['hard_questions'])} / {_count(row['hard_climbed'])}" if "hard_climbed" in row
-                    else "n/a")
+            hard = (f"{fa._md(row['hard_questions'], scale=1)} / {fa._md(row['hard_climbed'], scale=1)}"
+                    if "hard_climbed" in row else "n/a")
             lines.append(f"| {arm} | {len(row['seeds'])} | {fa._md(row['greedy'])} | {fa._md(row['avg@8_T1'])} | "
                          f"{fa._md(row['final_val'])} | {fa._md(row['peak_val'])} | "
                          f"{row['generated_trajectories']['mean']:.0f} | {row['train_tokens']['mean'] or 0:.0f} | "
@@ -272,7 +264,7 @@ def markdown(summary: dict) -> str:
                     continue
                 v, step = c["verdict"], c["per_step"]
                 cells_ = [fa._md(c["a"], signed=True), v["a"], fa._md(c["b_saving"], signed=True), v["b"],
-                          _count(c.get("c_climbed"), signed=True), v.get("c", "n/a"),
+                          fa._md(c.get("c_climbed"), signed=True, scale=1), v.get("c", "n/a"),
                           fa._md(step["greedy"], signed=True), fa._md(step["final_val"], signed=True),
                           fa._md(c["per_trajectory_val"], signed=True), fa._md(c["per_token_val"], signed=True)]
                 lines.append(f"| {arm} - {base} | {len(c['seeds'])} | " + " | ".join(cells_) + " |")
