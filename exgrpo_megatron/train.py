@@ -117,7 +117,6 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequ
         from exgrpo_megatron.config.domains import path_errors
         from exgrpo_megatron.planning.dry_run import dry_run_report
         from exgrpo_megatron.planning.generation_split import read_phase_times
-        from exgrpo_megatron.planning.memory_plan import estimate_memory, memory_overruns
         from exgrpo_megatron.planning.startup_checks import gpu_memory_gib
 
         try:
@@ -126,10 +125,11 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequ
             print(f"exgrpo-train: {exc}", file=sys.stderr)
             return EXIT_INVALID_CONFIG
         gpu_gib = args.gpu_memory_gib or gpu_memory_gib()
-        print(dry_run_report(cfg, world_size, replays=algorithm.uses_pool, phase_times=times, gpu_memory_gib=gpu_gib))
+        report = dry_run_report(cfg, world_size, replays=algorithm.uses_pool, phase_times=times, gpu_memory_gib=gpu_gib)
+        print(report.text)
         for line in path_errors(cfg):  # not needed for the plan; a real run would stop on them (exit 2)
             print(f"exgrpo-train: dry run: a run would exit 2 on {line}", file=sys.stderr)
-        if memory_overruns(cfg, estimate_memory(cfg, world_size, gpu_gib), gpu_gib):
+        if report.overruns:
             print(f"exgrpo-train: dry run: the memory plan does not fit {gpu_gib:g} GiB per GPU at world size "
                   f"{world_size} (the WARNING lines above); exit {EXIT_PLAN_DOES_NOT_FIT}", file=sys.stderr)
             return EXIT_PLAN_DOES_NOT_FIT

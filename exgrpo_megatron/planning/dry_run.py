@@ -2,9 +2,10 @@
 
     python -m exgrpo_megatron.train --config-name exgrpo_7b --dry-run --world-size 16 [--gpu-memory-gib 141]
 
-`dry_run_report(cfg, world_size, replays)` returns the parallel layout, the parameter count, the per-GPU memory
-plan (planning/memory_plan.py: its parts, the phases that do not fit one GPU as WARNING lines, the fewest GPUs that
-fit at this layout) and the per-step work.
+`dry_run_report(cfg, world_size, replays)` returns the report's text -- the parallel layout, the parameter count, the
+per-GPU memory plan (planning/memory_plan.py: its parts, the phases that do not fit one GPU as WARNING lines, the
+fewest GPUs that fit at this layout) and the per-step work -- with those WARNING lines, from which the caller decides
+the exit status.
 
 Generating ahead (planning/generation_split.py): with rollout.max_staleness > 0 `world_size` counts the training
 ranks and the plan is for N = world_size + 1 GPUs (the generator's GPU added); otherwise one hint line for
@@ -14,6 +15,7 @@ N = world_size. Phase times from `--phase-times RUN_DIR`, else the documented de
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from exgrpo_megatron.config.derived import padded_vocab_size
 from exgrpo_megatron.config.families import family_of
@@ -206,13 +208,19 @@ def _generation_lines(cfg: RootConfig, world_size: int, times: PhaseTimes) -> li
     return split_lines(times, n_gpus, model_parallel, cfg.trainer.ppo_mini_batch_size, active)
 
 
+class DryRunReport(NamedTuple):
+    text: str
+    overruns: list[str]  # the WARNING lines of memory_overruns: empty when every estimate fits one GPU
+
+
 def dry_run_report(cfg: RootConfig, world_size: int, replays: bool, phase_times: PhaseTimes | None = None,
-                   gpu_memory_gib: float = GPU_MEMORY_GIB) -> str:
+                   gpu_memory_gib: float = GPU_MEMORY_GIB) -> DryRunReport:
     """The plan of a validated config at `world_size` GPUs of `gpu_memory_gib` each (the caller has already run
     `validate`); `replays`: the algorithm has an experience pool (the caller builds the algorithm: config/ does not
     import algo/); `phase_times`: the colocated generate/train seconds for the generation-ahead plan (None: the
     default)."""
     est, fewest = estimate_memory(cfg, world_size, gpu_memory_gib), fewest_gpus_that_fit(cfg, gpu_memory_gib)
+    overruns = memory_overruns(cfg, est, gpu_memory_gib)
     sections = [
         [f"dry run: {cfg.model.name}, rollout engine {cfg.rollout.engine}, template {cfg.data.template}, "
          f"run_dir {cfg.logging.run_dir}"],
@@ -221,8 +229,8 @@ def dry_run_report(cfg: RootConfig, world_size: int, replays: bool, phase_times:
         _memory_lines(cfg, world_size, est, gpu_memory_gib),
         _step_lines(cfg, world_size, replays),
         _generation_lines(cfg, world_size, phase_times or DEFAULT_PHASE_TIMES),
-        memory_overruns(cfg, est, gpu_memory_gib) or ["memory: every estimate fits in one GPU"],
+        overruns or ["memory: every estimate fits in one GPU"],
         [f"memory: at this layout the estimates fit from {fewest} GPUs" if fewest
          else "memory: at this layout no world size up to 256 GPUs fits"],
     ]
-    return "\n".join(line for section in sections for line in section)
+    return DryRunReport("\n".join(line for section in sections for line in section), overruns)
