@@ -115,6 +115,7 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequ
         return EXIT_INVALID_CONFIG
     if dry_run:
         from exgrpo_megatron.config.domains import path_errors
+        from exgrpo_megatron.logging.startup import replay_summary
         from exgrpo_megatron.planning.dry_run import dry_run_report
         from exgrpo_megatron.planning.generation_split import read_phase_times
         from exgrpo_megatron.planning.startup_checks import gpu_memory_gib
@@ -125,7 +126,8 @@ def _main(argv: list[str] | None, preemption: PreemptionHandler, observers: Sequ
             print(f"exgrpo-train: {exc}", file=sys.stderr)
             return EXIT_INVALID_CONFIG
         gpu_gib = args.gpu_memory_gib or gpu_memory_gib()
-        report = dry_run_report(cfg, world_size, replays=algorithm.uses_pool, phase_times=times, gpu_memory_gib=gpu_gib)
+        report = dry_run_report(cfg, world_size, replay_summary(cfg, algorithm), phase_times=times,
+                                gpu_memory_gib=gpu_gib)
         print(report.text)
         for line in path_errors(cfg):  # not needed for the plan; a real run would stop on them (exit 2)
             print(f"exgrpo-train: dry run: a run would exit 2 on {line}", file=sys.stderr)

@@ -13,6 +13,7 @@ import pytest
 from exgrpo_megatron.algo.registry import build_algorithm
 from exgrpo_megatron.config.loader import load_config
 from exgrpo_megatron.config.validate import validate
+from exgrpo_megatron.logging.startup import replay_summary
 from exgrpo_megatron.planning.dry_run import dry_run_report
 from exgrpo_megatron.planning.memory_plan import estimate_memory
 from exgrpo_megatron.planning.model_size import count_parameters
@@ -33,7 +34,7 @@ def test_every_preset_resolves_and_validates(preset: str) -> None:
     world = cfg.parallel.expert_model_parallel_size if preset.endswith("_cpu") else PLANNED_WORLD.get(preset, 8)
     validate(cfg, world, check_paths=False)  # the presets' models and data are not on this machine
     algorithm = build_algorithm(cfg.algo, cfg.trainer, cfg.data.max_response_length)
-    report = dry_run_report(cfg, world, replays=algorithm.uses_pool)
+    report = dry_run_report(cfg, world, replay_summary(cfg, algorithm))
     assert not report.overruns and "WARNING" not in report.text, report.text
 
 
@@ -95,6 +96,20 @@ def test_7b_dry_run_cli(world: int, capsys, preset_paths) -> None:
     assert "7,615,616,512 parameters" in out
     assert f"tokens per step <= {1024 * 9216:,}" in out and "optimizer updates per step: 2" in out
     assert "WARNING" not in out
+
+
+@pytest.mark.parametrize(("overrides", "replay"), [
+    ([], "experience replay (displace): mixed phase once batch pass rate > 0.35: up to 64 replayed + 64 fresh"),
+    (["algo.name=grpo"], "experience replay: off (on-policy grpo)"),
+    (["algo.name=rescue_replay"], "response replay: a fresh group whose responses all fail gains its question's "
+                                  "newest stored success, none generated"),
+    (["algo.name=ingroup_replay"], "response replay: each fresh group gains up to 8 of its question's newest stored "
+                                   "responses (successes and failures), none generated"),
+])
+def test_dry_run_says_what_the_algorithm_replays(overrides: list[str], replay: str, capsys, preset_paths) -> None:
+    """The plan's replay line is the start-up block's: replay without generation is not reported as on-policy."""
+    assert train_main(["--config-name", "exgrpo_7b", "--dry-run", "--world-size", "8", *preset_paths, *overrides]) == 0
+    assert f"  {replay}" in capsys.readouterr().out
 
 
 def test_7b_memory_estimate_matches_formulas() -> None:

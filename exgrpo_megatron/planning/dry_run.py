@@ -2,7 +2,7 @@
 
     python -m exgrpo_megatron.train --config-name exgrpo_7b --dry-run --world-size 16 [--gpu-memory-gib 141]
 
-`dry_run_report(cfg, world_size, replays)` returns the report's text -- the parallel layout, the parameter count, the
+`dry_run_report(cfg, world_size, replay)` returns the report's text -- the parallel layout, the parameter count, the
 per-GPU memory plan (planning/memory_plan.py: its parts, the phases that do not fit one GPU as WARNING lines, the
 fewest GPUs that fit at this layout) and the per-step work -- with those WARNING lines, from which the caller decides
 the exit status.
@@ -151,7 +151,7 @@ def _lora_lines(cfg: RootConfig, est: MemoryEstimate) -> list[str]:
             "(weights + gradients + optimizer state)"]
 
 
-def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
+def _step_lines(cfg: RootConfig, world_size: int, replay: str) -> list[str]:
     t, r, d, p = cfg.trainer, cfg.rollout, cfg.data, cfg.parallel
     dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
     seq_len = d.max_prompt_length + d.max_response_length
@@ -171,22 +171,7 @@ def _step_lines(cfg: RootConfig, world_size: int, replays: bool) -> list[str]:
         f" per update and DP rank {seqs_per_update_rank} sequences in >= "
         f"{math.ceil(seqs_per_update_rank / seqs_per_micro)} micro-batch(es) of <= {t.micro_batch_max_tokens} tokens",
     ]
-    return [*lines, f"  {replay_line(cfg, replays)}"]
-
-
-def replay_line(cfg: RootConfig, replays: bool) -> str:
-    """What the algorithm replays (the dry run and the start-up block); `replays`: it has an experience pool."""
-    t, x, k = cfg.trainer, cfg.experience, cfg.rollout.n
-    if not replays:
-        return f"experience replay: off (on-policy {cfg.algo.name})"
-    n_exp = int(t.train_batch_size * x.ratio)
-    start = (f"once batch pass rate > {x.delayed_start_pass_rate}" if x.delayed_start_pass_rate > 0
-             else "from step 1 (delayed start disabled)")
-    fresh = t.train_batch_size - n_exp if x.placement == "displace" else t.train_batch_size
-    return (f"experience replay ({x.placement}): mixed phase {start}: up to {n_exp} replayed + {fresh} fresh prompts "
-            f"(rho={x.ratio}; enter iff {x.admit_correct_above} < correct <= {x.admit_correct_at_most} of {k}, retire "
-            f"above {x.retire_above(k)}" + (f", trajectories replayed up to {x.max_age_steps} steps old)"
-                                            if x.max_age_steps else ")"))
+    return [*lines, f"  {replay}"]
 
 
 def generation_line(cfg: RootConfig) -> str:
@@ -213,12 +198,12 @@ class DryRunReport(NamedTuple):
     overruns: list[str]  # the WARNING lines of memory_overruns: empty when every estimate fits one GPU
 
 
-def dry_run_report(cfg: RootConfig, world_size: int, replays: bool, phase_times: PhaseTimes | None = None,
+def dry_run_report(cfg: RootConfig, world_size: int, replay: str, phase_times: PhaseTimes | None = None,
                    gpu_memory_gib: float = GPU_MEMORY_GIB) -> DryRunReport:
     """The plan of a validated config at `world_size` GPUs of `gpu_memory_gib` each (the caller has already run
-    `validate`); `replays`: the algorithm has an experience pool (the caller builds the algorithm: config/ does not
-    import algo/); `phase_times`: the colocated generate/train seconds for the generation-ahead plan (None: the
-    default)."""
+    `validate`); `replay`: what the algorithm replays, in one line (logging/startup.replay_summary: the caller builds
+    the algorithm; planning/ does not import algo/); `phase_times`: the colocated generate/train seconds for the
+    generation-ahead plan (None: the default)."""
     est, fewest = estimate_memory(cfg, world_size, gpu_memory_gib), fewest_gpus_that_fit(cfg, gpu_memory_gib)
     overruns = memory_overruns(cfg, est, gpu_memory_gib)
     sections = [
@@ -227,7 +212,7 @@ def dry_run_report(cfg: RootConfig, world_size: int, replays: bool, phase_times:
         _layout_lines(cfg, world_size),
         _model_lines(cfg, est.state),
         _memory_lines(cfg, world_size, est, gpu_memory_gib),
-        _step_lines(cfg, world_size, replays),
+        _step_lines(cfg, world_size, replay),
         _generation_lines(cfg, world_size, phase_times or DEFAULT_PHASE_TIMES),
         overruns or ["memory: every estimate fits in one GPU"],
         [f"memory: at this layout the estimates fit from {fewest} GPUs" if fewest
