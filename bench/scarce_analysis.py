@@ -14,8 +14,10 @@ runs of a seed share their warm start), 95% t-intervals over the paired differen
   (pass@8 probe at T = 1: start_train_probe.json, train_probe.json), arm minus GRPO.
 A verdict is `pays` (the interval excludes 0 on the paying side and the threshold is met), `straddles` (the point is
 on the paying side, the interval reaches 0: extend to 10 seeds, as pre-registered; at 10 seeds it does not pay),
-`does not pay`, or `too few seeds` (fewer than 5 paired seeds). A replay arm that pays against GRPO but not against
-GRPO with one more update pass on the same criterion is listed under `more_updates_not_replay`. Every comparison is
+`does not pay`, or `too few seeds` (fewer than 5 paired seeds). Each arm's verdict per criterion (`verdicts`,
+`arm_verdict`): a replay arm that pays against GRPO is `replay pays` when it also pays against GRPO with one more
+update pass, `more updates, not replay` when it does not (listed under `more_updates_not_replay` too), and pending
+while that comparison straddles or has too few seeds; any other verdict is its verdict against GRPO. Every comparison is
 also reported per step (end-of-run test and final validation), per generated trajectory (validation at equal
 generation) and per training FLOP (validation at equal training tokens: `train/tokens`, prompt + response tokens of
 every trained row times the update passes; a FLOP is ~6 x parameters per token for every arm of one model and these
@@ -107,6 +109,18 @@ def judge(ci: dict, at_least: float = 0.0) -> str:
     return "does not pay"
 
 
+def arm_verdict(versus_grpo: str, versus_extra_pass: str | None) -> str:
+    """An arm's verdict on one criterion by the pre-registered rule, from its verdicts (`judge`) against GRPO and, for
+    a replay arm, against GRPO with one more update pass (None for the other arms)."""
+    if versus_grpo != "pays" or versus_extra_pass is None:
+        return versus_grpo
+    if versus_extra_pass == "pays":
+        return "replay pays"
+    if versus_extra_pass.startswith(("straddles", "too few")):
+        return f"pays against GRPO; against one more pass: {versus_extra_pass}"
+    return "more updates, not replay"
+
+
 def _tokens_view(runs: dict[int, dict]) -> dict[int, dict]:
     """The runs with training tokens in place of generated trajectories (for recipe_analysis.per_trajectory)."""
     return {s: {"val": r["val_tokens"], "trajectories": r["train_tokens"]} for s, r in runs.items()}
@@ -170,12 +184,14 @@ def analyse(records: str, seeds: list[int], png: str, threshold: float = 0.5) ->
                 if runs[arm]:
                     baselines = ("grpo", EXTRA_PASS) if arm in REPLAY_ARMS else ("grpo",)
                     versus[arm] = {base: compare(runs[arm], runs[base], weak, threshold) for base in baselines}
-            not_replay = {arm: [c for c, v in d["grpo"].get("verdict", {}).items() if v == "pays"
-                                and d.get(EXTRA_PASS, {}).get("verdict", {}).get(c) != "pays"]
-                          for arm, d in versus.items() if arm in REPLAY_ARMS}
+            verdicts = {arm: {c: arm_verdict(v, d.get(EXTRA_PASS, {}).get("verdict", {}).get(c) if arm in REPLAY_ARMS
+                                             else None) for c, v in d["grpo"].get("verdict", {}).items()}
+                        for arm, d in versus.items()}
+            not_replay = {arm: [c for c, v in by_c.items() if v == "more updates, not replay"]
+                          for arm, by_c in verdicts.items()}
             cells[name] = {"seeds_per_arm": {arm: len(r) for arm, r in runs.items()},
                            "arms": {arm: _summary(r) for arm, r in runs.items() if r}, "versus": versus,
-                           "more_updates_not_replay": {a: c for a, c in not_replay.items() if c}}
+                           "verdicts": verdicts, "more_updates_not_replay": {a: c for a, c in not_replay.items() if c}}
     out: dict[str, Any] = {"cells": cells, "lr": SCARCE_LR}
     if curves:
         plot(curves, png)
@@ -240,8 +256,8 @@ def plot(curves: dict[str, dict[str, dict[int, dict]]], path: str) -> None:
 
 
 def markdown(summary: dict) -> str:
-    """Per cell: the arms' numbers (with their seed counts) and each comparison's criteria, verdicts and paired
-    differences per step / generated trajectory / training token (points, mean ± 95% CI)."""
+    """Per cell: the arms' numbers (with their seed counts), each comparison's criteria, verdicts and paired
+    differences per step / generated trajectory / training token (points, mean ± 95% CI), and each arm's verdict."""
     if not summary.get("cells"):
         return "(scarce: no finished runs yet)"
     lines = []
@@ -269,7 +285,9 @@ def markdown(summary: dict) -> str:
                           fa._md(c["per_trajectory_val"], signed=True), fa._md(c["per_token_val"], signed=True)]
                 lines.append(f"| {arm} - {base} | {len(c['seeds'])} | " + " | ".join(cells_) + " |")
         measures = {c["a_measure"] for by_base in d["versus"].values() for c in by_base.values() if c["seeds"]}
-        not_replay = "; ".join(f"{arm}: ({', '.join(c)})" for arm, c in d["more_updates_not_replay"].items())
         lines += ["", "(a) measured as: " + ("; ".join(sorted(measures)) or "n/a (no arm paired with a baseline yet)"),
-                  f"more updates, not replay: {not_replay or 'none'}", ""]
+                  "", "| verdict by the pre-registered rule | (a) | (b) | (c) |", "|---" * 4 + "|"]
+        lines += [f"| {arm} | " + " | ".join(by_c.get(c, "n/a") for c in "abc") + " |"
+                  for arm, by_c in d["verdicts"].items() if by_c]
+        lines.append("")
     return "\n".join(lines)

@@ -131,6 +131,8 @@ def test_scarce_analysis_reads_partial_grids_and_applies_the_pre_registered_crit
         assert versus_extra["a"]["mean"] == 0.0 and versus_extra["verdict"]["a"] == "does not pay"
         expected = ["a", "b", "c"] if name.startswith("weak") else ["a", "b"]
         assert cell["more_updates_not_replay"] == {"ingroup_replay": expected}
+        assert cell["verdicts"]["ingroup_replay"] == dict.fromkeys(expected, "more updates, not replay")
+        assert cell["verdicts"]["grpo_extra_pass"]["a"] == "pays"  # not a replay arm: its verdict against GRPO
         assert cell["versus"]["rescue_replay"]["grpo"]["verdict"]["a"] == "too few seeds (1)"
         append = cell["versus"]["exgrpo_append"]["grpo"]
         assert append["a_measure"].startswith("validation accuracy at the common generation budget")
@@ -144,7 +146,22 @@ def test_scarce_analysis_reads_partial_grids_and_applies_the_pre_registered_crit
     assert weak["arms"]["grpo"]["hard_questions"]["mean"] == 10 and weak["arms"]["grpo"]["hard_climbed"]["mean"] == 2
     assert "c_climbed" not in out["cells"]["capable_256"]["versus"]["ingroup_replay"]["grpo"]
     text = sa.markdown(out)
-    assert "| rescue_replay | 1 |" in text and "more updates, not replay: ingroup_replay: (a, b, c)" in text
+    assert "| rescue_replay | 1 |" in text
+    assert "| ingroup_replay | more updates, not replay | more updates, not replay | more updates, not replay |" in text
+    assert "| rescue_replay | too few seeds (1) | too few seeds (1) | n/a |" in text  # (c): weak start only
+
+
+def test_an_arm_verdict_credits_replay_only_beyond_one_more_update_pass():
+    assert sa.arm_verdict("pays", "pays") == "replay pays"
+    assert sa.arm_verdict("pays", "does not pay") == "more updates, not replay"
+    assert sa.arm_verdict("pays", "does not pay (the interval still reaches 0 at 10 seeds)") == \
+        "more updates, not replay"
+    assert sa.arm_verdict("pays", "straddles: extend to 10 seeds") == \
+        "pays against GRPO; against one more pass: straddles: extend to 10 seeds"  # pending, not yet a label
+    assert sa.arm_verdict("pays", "too few seeds (3)").endswith("too few seeds (3)")
+    assert sa.arm_verdict("pays", None) == "pays"  # one more pass itself, ExGRPO append: no second baseline
+    for verdict in ("does not pay", "straddles: extend to 10 seeds", "too few seeds (4)"):
+        assert sa.arm_verdict(verdict, "pays") == verdict  # against one more pass it decides nothing
 
 
 def test_judge_reads_an_interval_as_pre_registered():
