@@ -61,3 +61,22 @@ def test_vllm_generator_one_step_ahead_generates_from_the_weights_it_was_sent(tm
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
     assert abs(rows[0]["mismatch/token_mult_prob_error"] - 1.0) <= TOL
     assert all(abs(r["mismatch/token_mult_prob_error"] - 1.0) > TOL for r in rows[1:])  # stale: older weights'
+
+
+def test_vllm_rollouts_are_stored_and_replayed_with_their_own_log_probs(tmp_path):
+    """In-group replay with vLLM generating: the store keeps vLLM's log-probs of each response, and a replayed token's
+    weight pi_theta / pi_recorded compares the trainer's log-prob of that token with vLLM's of the SAME token. With 4
+    questions, every step revisits them all, so from step 2 on every group gains stored responses; at a learning rate
+    too small to move the weights, the weights are 1 within the engines' fp32 mismatch (a store whose log-probs were
+    shifted by a token, or taken from another response, would be far off)."""
+    run_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
+    _train(run_dir, hf_dir, 3, extra=("--make-init", str(tmp_path / "init")),
+           overrides=("algo.name=ingroup_replay", "experience.ingroup_size=2", "data.num_train_examples=4",
+                      "optim.lr=1e-12"))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    print("replay token fraction, IS weight mean/max per step:",
+          [(r["replay/token_fraction"], r.get("replay/is_weight_mean"), r.get("replay/is_weight_max")) for r in rows])
+    assert [r["replay/token_fraction"] > 0 for r in rows] == [False, True, True]
+    for r in rows[1:]:
+        assert abs(r["replay/is_weight_mean"] - 1.0) <= TOL and r["replay/is_weight_max"] <= 1.0 + 5 * TOL
+        assert r["generation/trajectories"] == 4 * 4  # the replayed rows are not generated
