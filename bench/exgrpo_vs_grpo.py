@@ -33,8 +33,9 @@ One precision (the preset pins model.params_dtype) and one code version per comp
 commit that trained it (provenance.json). A run lives in `<root>/<variant>_lr<lr>_seed<seed>/` (git-ignored:
 checkpoints, logs); when it finishes, its record (RECORD_FILES) is copied to `--records` (committed), and a run
 with a record is never re-run, so the grid advances across sessions and machines. An interrupted run resumes from
-its newest checkpoint (checkpoint.resume=auto). The analysis (bench/fidelity_analysis.py) reads the records only.
-Runs that share a warm start (same seed and warm-start settings) share its cache: one trains it, the others wait.
+its newest checkpoint (resume=auto); stopping the bench stops its runs (run_processes.py: they save on SIGTERM).
+The analysis (bench/fidelity_analysis.py) reads the records only. Runs that share a warm start (same seed and
+warm-start settings) share its cache: one trains it, the others wait.
 
     .venv/bin/python bench/exgrpo_vs_grpo.py --plan                  # runs, status, estimated CPU time
     .venv/bin/python bench/exgrpo_vs_grpo.py --phase sweep --jobs 1  # then final, ablation, weak_start, recipes
@@ -49,6 +50,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -74,6 +76,7 @@ from experiment_arms import (  # noqa: E402
     scarce_config_name,
     scarce_unavailable,
 )
+from run_processes import start_run, stop_runs  # noqa: E402
 from run_records import RECORD_FILES, import_records, keep_record, note_provenance  # noqa: E402, F401
 
 PHASES = ("sweep", "final", "ablation", "weak_start", "stability", "diagnosis", "recipes", "scarce")
@@ -196,16 +199,22 @@ def warm_start_ready(args: argparse.Namespace, run: Run) -> str:
 
 
 def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
-    """Run the pending runs (train, then test evaluation) `--jobs` at a time; returns failures."""
-    from exgrpo_megatron.distributed.launch_env import free_local_port
+    """Run the pending runs (train, then test) `--jobs` at a time; returns failures. Its runs stop when it does."""
+    running: dict[str, tuple[Run, subprocess.Popen, float]] = {}
+    try:
+        return _schedule(args, runs, running)
+    finally:
+        stop_runs(proc for _, proc, _ in running.values())
 
+
+def _schedule(args: argparse.Namespace, runs: list[Run], running: dict[str, tuple]) -> list[str]:
+    from exgrpo_megatron.distributed.launch_env import free_local_port
     for run in runs:  # finished here before records existed (or before an interrupted copy)
         if not run.done and os.path.isfile(os.path.join(run.run_dir, "test_eval.json")):
             run.keep_record()
     pending = [r for r in runs if not r.done]
     ready = {r.run_dir: warm_start_ready(args, r) for r in pending}
     warming: set[str] = set()
-    running: dict[str, tuple[Run, subprocess.Popen, float]] = {}
     failed = []
     while pending or running:
         for run in list(pending):
@@ -226,8 +235,7 @@ def execute(args: argparse.Namespace, runs: list[Run]) -> list[str]:
             script = f"{shlex.join(train_argv(args, run))} && {evals}"
             print(f"[bench] start {os.path.basename(run.run_dir)} ({run.phase})", file=sys.stderr)
             with open(os.path.join(run.run_dir, "bench.log"), "a") as log:
-                proc = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, stdout=log,
-                                        stderr=subprocess.STDOUT)
+                proc = start_run(script, REPO, env, log)
             running[run.run_dir] = (run, proc, time.perf_counter())
             pending.remove(run)
         time.sleep(2.0)
@@ -387,4 +395,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwinds execute(): stops its runs
     sys.exit(main())
