@@ -27,7 +27,8 @@ def stop_runs(procs: Iterable[subprocess.Popen], grace_s: float = 120.0) -> None
         _signal_group(proc.pid, signal.SIGTERM)
     _wait_for_groups(procs, grace_s)
     for proc in procs:
-        _signal_group(proc.pid, signal.SIGKILL)
+        if group_members(proc.pid):  # only a group still running: a gone group's id may since name another
+            _signal_group(proc.pid, signal.SIGKILL)
     _wait_for_groups(procs, 30.0)
 
 
